@@ -1,0 +1,77 @@
+"""Run a script under torchrun as a subprocess, with a hard timeout, for multi-process tests."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    timed_out: bool
+
+    def check(self):
+        """Fail with every rank's output unless the run exited 0."""
+        assert not self.timed_out, f"torchrun timed out:\n{self.output}"
+        assert self.returncode == 0, f"torchrun exited {self.returncode}:\n{self.output}"
+        return self
+
+
+def torchrun(script: str, nproc: int, args=(), timeout: float = 300, tmp_path=None, env=None) -> Run:
+    """Run `script` (a path, or Python source when it contains a newline) on `nproc` CPU ranks.
+
+    The whole process group is killed at `timeout`, so a deadlock fails the test instead of
+    hanging CI.
+    """
+    if "\n" in script:
+        assert tmp_path is not None, "pass tmp_path to run inline source"
+        path = os.path.join(str(tmp_path), f"script_{free_port()}.py")
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(script))
+        script = path
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), script, *map(str, args)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return Run(proc.returncode, out, False)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each rank in a session of its own: kill the whole tree, not one group.
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out, _ = proc.communicate()
+        return Run(-9, out, True)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
