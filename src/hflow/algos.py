@@ -246,7 +246,8 @@ def kl_penalty(logp, ref_logp, kind):
 
 
 def _log_ratio(logp, old_logp, mask):
-    """log π/π_old per token, 0 at masked-out positions, clamped to ±20; no grad to old_logp."""
+    """(log π/π_old per token, bool mask): 0 at masked-out positions, clamped to ±20 (a ratio
+    beyond e^±20 carries no gradient), no gradient to old_logp."""
     m = torch.broadcast_to(mask.bool(), logp.shape)
     return torch.where(m, logp - old_logp.detach(), 0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO), m
 
@@ -263,7 +264,7 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
     r = π/π_old = exp(logp − old_logp),  A = advantages (no gradient to old_logp or A):
       L = max(−A·r, −A·clip(r, 1 − clip_low, 1 + clip_high))
       dual-clip (Ye et al. 2020), for A < 0 only:  L = min(L, −A·dual_clip)   (dual_clip > 1)
-    aggregated by `aggregate_loss(L, mask, agg)`.
+    aggregated by `aggregate_loss(L, mask, agg)`; log r is clamped to ±20 for stability.
     metrics: clipfrac (share of tokens where the clipped term is the max), approx_kl (k3 estimate
     of KL(π_old ‖ π)), and with dual-clip clipfrac_lower (share of tokens capped by it).
     """
