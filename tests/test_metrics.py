@@ -5,6 +5,7 @@ import io
 import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,3 +118,70 @@ def test_tensorboard_events_match_the_jsonl(tmp_path):
     scalars = events.Scalars("reward/mean")
     assert [e.step for e in scalars] == [0, 1, 2, 3, 4]      # purge_step removed the old 2, 3
     assert [e.value for e in scalars] == pytest.approx([r["reward/mean"] for r in read_metrics(tmp_path)])
+
+
+# ---------------------------------------------------------------- scripts/plot_metrics.py
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "plot_metrics.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("plot_metrics", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_run(path, with_critic=True):
+    with MetricsLogger(path, stream=io.StringIO()) as logger:
+        logger.log(0, {"eval/reward_mean": 0.2})
+        for step in range(1, 6):
+            row = {"reward/mean": 0.1 * step, "kl/mean": 0.01 * step, "response_length/mean": 4 + step,
+                   "actor/loss": -0.05 * step}
+            if with_critic:
+                row["critic/loss"] = 1.0 / step
+            if step == 5:
+                row["eval/reward_mean"] = 0.6
+            logger.log(step, row)
+
+
+def test_plot_draws_the_logged_values(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot_metrics = _load_script()
+    _write_run(tmp_path / "ppo")
+    out = plot_metrics.main(plot_metrics.Args(runs=(tmp_path / "ppo",)))
+    assert out == tmp_path / "ppo" / "metrics.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = plot_metrics.plot([tmp_path / "ppo" / "metrics.jsonl"], tmp_path / "again.png")
+    reward, kl, length, loss = fig.axes[:4]
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in reward.lines}
+    assert lines["eval/reward_mean"] == ([0, 5], [0.2, 0.6])
+    assert lines["reward/mean"][0] == [1, 2, 3, 4, 5]
+    assert list(kl.lines[0].get_ydata()) == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05])
+    assert [line.get_label() for line in loss.lines] == ["actor/loss", "critic/loss"]
+
+
+def test_plot_compares_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot_metrics = _load_script()
+    _write_run(tmp_path / "ppo")
+    _write_run(tmp_path / "grpo", with_critic=False)
+    fig = plot_metrics.plot([tmp_path / "ppo", tmp_path / "grpo"], tmp_path / "cmp.png")
+    assert [line.get_label() for line in fig.axes[3].lines] == ["ppo: actor/loss", "ppo: critic/loss",
+                                                                 "grpo: actor/loss"]
+    assert (tmp_path / "cmp.png").exists()
+
+
+def test_missing_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    plot_metrics = _load_script()
+    _write_run(tmp_path / "run")
+    real_import = builtins.__import__
+
+    def without_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_matplotlib)
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        plot_metrics.plot([tmp_path / "run"], tmp_path / "x.png")

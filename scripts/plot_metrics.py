@@ -1,0 +1,83 @@
+"""Draw reward, KL, response length and loss curves from metrics.jsonl files to a PNG.
+
+    python scripts/plot_metrics.py --runs outputs/ppo                # -> outputs/ppo/metrics.png
+    python scripts/plot_metrics.py --runs outputs/ppo outputs/grpo --out compare.png
+
+A run is an output directory or a metrics.jsonl file. Needs matplotlib (`pip install matplotlib`).
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+from hflow.metrics import METRICS_FILE, read_metrics
+
+# panel title -> metrics drawn in it (solid line, then dashed, ...); eval rows are sparse, so
+# every series is drawn only at the steps that carry it.
+PANELS = {
+    "reward": ("reward/mean", "eval/reward_mean"),
+    "KL": ("kl/mean",),
+    "response length": ("response_length/mean",),
+    "loss": ("actor/loss", "critic/loss"),
+}
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows that carry `key`."""
+    points = [(row["step"], row[key]) for row in rows if key in row]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot(runs: list[Path], out: Path, panels: dict = PANELS):
+    """Draw every panel for every run; returns the matplotlib Figure (also saved to `out`)."""
+    try:
+        from matplotlib.figure import Figure      # no pyplot: no GUI backend, works headless
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:
+        raise SystemExit("plot_metrics.py needs matplotlib: run `pip install matplotlib` "
+                         "(or `pip install hflow[plot]`).") from e
+    loaded = {_label(path): read_metrics(path) for path in runs}
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    axes = fig.subplots(2, 2).flatten()
+    for ax, (title, keys) in zip(axes, panels.items()):
+        for label, rows in loaded.items():
+            for style, key in zip(("-", "--", ":", "-."), keys):
+                steps, values = series(rows, key)
+                if steps:
+                    name = key if len(loaded) == 1 else f"{label}: {key}"
+                    ax.plot(steps, values, style, marker="o" if len(steps) < 20 else None,
+                            markersize=3, label=name)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return fig
+
+
+def _label(path: Path) -> str:
+    path = Path(path)
+    return (path.parent if path.name == METRICS_FILE else path).name or str(path)
+
+
+@dataclass
+class Args:
+    runs: tuple[Path, ...]
+    """output directories or metrics.jsonl files (several: one curve per run)"""
+    out: Path | None = None
+    """PNG to write (default: metrics.png next to the first run's metrics.jsonl)"""
+
+
+def main(args: Args) -> Path:
+    first = Path(args.runs[0])
+    out = args.out or (first.parent if first.name == METRICS_FILE else first) / "metrics.png"
+    plot(list(args.runs), out)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
