@@ -1,0 +1,12 @@
+"""FSDP2 workers: the policy, the reference policy, the value model and the reward model.
+
+Batches follow the layout documented in hflow/workers/layout.py.
+"""
+from hflow.workers.actor import Actor, ActorConfig, Reference
+from hflow.workers.base import check_batch_sizes
+from hflow.workers.critic import Critic, CriticConfig
+from hflow.workers.fsdp import FSDPConfig, OptimConfig
+from hflow.workers.reward import RewardModel, RewardModelConfig
+
+__all__ = ["Actor", "ActorConfig", "Reference", "Critic", "CriticConfig", "RewardModel",
+           "RewardModelConfig", "FSDPConfig", "OptimConfig", "check_batch_sizes"]

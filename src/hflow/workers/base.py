@@ -1,0 +1,220 @@
+"""What every FSDP2 worker shares: micro-batching, the training loop, checkpoints.
+
+The loss of a mini-batch is the same whatever the micro-batching and the number of ranks.
+Each micro-batch loss L_k (from the recipe's loss function: a mean over its own tokens or
+sequences) is weighted by its share of the mini-batch,
+
+    L = sum_k (u_k / U) * L_k,   u_k = tokens (or sequences) of micro-batch k,
+                                 U   = tokens (or sequences) of the mini-batch on all ranks,
+
+and since FSDP averages gradients over the D ranks, each rank back-propagates D * (u_k / U) * L_k.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hflow.workers import layout
+from hflow.workers.fsdp import all_reduce_sum, build_optimizer, clip_grad_norm_, device_of
+
+
+def as_tensors(batch) -> dict[str, torch.Tensor]:
+    """The tensors of a Batch (or of a plain dict)."""
+    if isinstance(batch, dict):
+        return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    tensors = getattr(batch, "tensors", None)
+    if tensors is None:
+        tensors = {k: batch[k] for k in batch.keys() if isinstance(batch[k], torch.Tensor)}
+    return dict(tensors)
+
+
+def batch_meta(batch) -> dict:
+    return getattr(batch, "meta", None) or {}
+
+
+def select(tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v[rows] for k, v in tensors.items()}
+
+
+def num_minibatches(rows: int, n: int, mini_batch_size: int, dp: int, prefix: str) -> int:
+    """Mini-batches per epoch for a batch of `rows` sequences (n per prompt) over `dp` ranks.
+
+    Batch sizes are counted in prompts: a mini-batch is `mini_batch_size` prompts, i.e.
+    `mini_batch_size * n` sequences, which must split evenly over the ranks.
+    """
+    if rows % n:
+        raise ValueError(f"{rows} sequences are not a whole number of prompts of --rollout.n {n}")
+    prompts = rows // n
+    mini = mini_batch_size or prompts
+    if prompts % mini:
+        raise ValueError(f"a batch of {prompts} prompts does not split into mini-batches of "
+                         f"--{prefix}.mini-batch-size {mini} prompts")
+    if (mini * n) % dp:
+        raise ValueError(f"--{prefix}.mini-batch-size {mini} x --rollout.n {n} = {mini * n} sequences "
+                         f"do not split over {dp} ranks")
+    return prompts // mini
+
+
+def check_batch_sizes(batch_size: int, n: int, mini_batch_size: int, dp: int, prefix: str = "actor") -> None:
+    """Fail early (on the controller, before any work) when batch sizes do not divide:
+    `batch_size` prompts x `n` samples over `dp` ranks in mini-batches of `mini_batch_size` prompts."""
+    if (batch_size * n) % dp:
+        raise ValueError(f"--data.batch-size {batch_size} x --rollout.n {n} = {batch_size * n} sequences "
+                         f"do not split over {dp} ranks")
+    num_minibatches(batch_size * n, n, mini_batch_size, dp, prefix)
+
+
+class ModelWorker:
+    """An FSDP2 model on a 1-D data-parallel mesh, with an optional optimizer."""
+
+    flag_prefix = "actor"
+
+    def __init__(self, mesh: DeviceMesh, model: torch.nn.Module, cfg, optim_cfg=None):
+        self.mesh, self.model, self.cfg = mesh, model, cfg
+        self.device = device_of(mesh)
+        self.optimizer = self.scheduler = None
+        if optim_cfg is not None:
+            self.optimizer, self.scheduler = build_optimizer(model, optim_cfg)
+            self.grad_clip = optim_cfg.grad_clip
+
+    # ---- micro-batches -------------------------------------------------------------------
+
+    def micro_batches(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Row indices of this rank's micro-batches; the count is the same on every rank."""
+        tokens = tensors["attention_mask"].sum(-1)
+        max_tokens = self.cfg.max_tokens_per_micro_batch
+        count = layout.micro_batch_count(tokens, self.cfg.micro_batch_size, max_tokens)
+        if self.mesh.size() > 1:
+            count_t = torch.tensor([count], device=self.device)
+            dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
+            count = int(count_t)
+        return layout.split_micro_batches(tokens, count, balance=max_tokens > 0)
+
+    def to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+
+    @torch.no_grad()
+    def forward_rows(self, tensors: dict[str, torch.Tensor], forward: Callable) -> dict[str, torch.Tensor]:
+        """Run `forward(micro_batch) -> {key: [b] or [b, r] tensor}` over micro-batches and put
+        the rows back in order; per-token outputs are 0 outside `response_mask`."""
+        mask = tensors["response_mask"]
+        out: dict[str, torch.Tensor] = {}
+        for rows in self.micro_batches(tensors):
+            for key, value in forward(self.to_device(select(tensors, rows))).items():
+                value = value.float().cpu()
+                if key not in out:
+                    out[key] = torch.zeros(len(mask), *mask.shape[1:] if value.ndim == 2 else ())
+                if value.ndim == 2:
+                    r = value.shape[1]
+                    out[key][rows, :r] = value * mask[rows, :r]
+                else:
+                    out[key][rows] = value
+        return out
+
+    # ---- training --------------------------------------------------------------------------
+
+    def train(self, tensors: dict[str, torch.Tensor], n: int, loss_of: Callable, epochs: int) -> dict[str, float]:
+        """PPO-style epochs over strided mini-batches, one optimizer step per mini-batch.
+
+        `loss_of(micro_batch) -> (loss, metrics)`. Returns the metrics averaged over the
+        optimizer steps (each step's metrics are the mini-batch-weighted means), plus grad_norm
+        and lr (the learning rate of the last step).
+        """
+        dp = self.mesh.size()
+        rows = len(tensors["input_ids"])
+        count = num_minibatches(rows * dp, n, self.cfg.mini_batch_size, dp, self.flag_prefix)
+        by_tokens = self.cfg.loss_weighting == "tokens"
+        self.model.train()
+        totals: dict[str, float] = defaultdict(float)
+        steps, lr = 0, 0.0
+        for _ in range(epochs):
+            for mini_rows in layout.minibatch_rows(rows, count):
+                mini = select(tensors, mini_rows)
+                micro = self.micro_batches(mini)
+                units = [float(mini["response_mask"][r].sum()) if by_tokens else float(len(r)) for r in micro]
+                total = float(all_reduce_sum(torch.tensor([sum(units)]), self.mesh)) or 1.0
+                sums: dict[str, float] = defaultdict(float)
+                for r, u in zip(micro, units):
+                    loss, metrics = loss_of(layout.trim_padding(self.to_device(select(mini, r))))
+                    (loss * (dp * u / total)).backward()
+                    sums["loss"] += float(loss.detach()) * u / total
+                    for key, value in metrics.items():
+                        if key != "loss":
+                            sums[key] += float(value) * u / total
+                grad_norm = clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                lr = self.scheduler.get_last_lr()[0]
+                if torch.isfinite(grad_norm):  # a non-finite norm skips the step (and is reported)
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                keys = sorted(sums)
+                reduced = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64), self.mesh)
+                for key, value in zip(keys, reduced.tolist()):
+                    totals[key] += value
+                totals["grad_norm"] += float(grad_norm)
+                steps += 1
+        metrics = {k: v / steps for k, v in totals.items()}
+        metrics["lr"] = lr
+        return metrics
+
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def save(self, path: str) -> None:
+        """Sharded checkpoint (torch.distributed.checkpoint) of the model, optimizer and schedule."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, [self.optimizer] if self.optimizer else [])
+        state = {"model": model_sd}
+        if self.optimizer is not None:
+            state |= {"optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+        dcp.save(state, checkpoint_id=path, process_group=self.mesh.get_group())
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, [self.optimizer] if self.optimizer else [])
+        state = {"model": model_sd}
+        if self.optimizer is not None:
+            state |= {"optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+        dcp.load(state, checkpoint_id=path, process_group=self.mesh.get_group())
+        set_state_dict(self.model, [self.optimizer] if self.optimizer else [],
+                       model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+        if self.optimizer is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def export_hf(self, path: str, source_dir: str | None = None) -> None:
+        """Write a Hugging Face directory (safetensors + config, and the tokenizer files of
+        `source_dir`) that `from_pretrained` loads. Gathers the full model on the mesh's first rank."""
+        import shutil
+
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.mesh.get_local_rank() != 0:
+            return
+        os.makedirs(path, exist_ok=True)
+        seen, tensors = set(), {}
+        for name, value in full.items():  # tied weights: keep the first name only
+            if value.data_ptr() in seen:
+                continue
+            seen.add(value.data_ptr())
+            tensors[name] = value.contiguous()
+        tmp = os.path.join(path, "model.safetensors.tmp")
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(path, "model.safetensors"))
+        config = self.model.config
+        config.architectures = [self.model.hf_class_name]
+        config.save_pretrained(path)
+        if source_dir:
+            for name in os.listdir(source_dir):
+                if "token" in name or name in ("generation_config.json", "vocab.json", "merges.txt",
+                                               "chat_template.jinja"):
+                    shutil.copy(os.path.join(source_dir, name), os.path.join(path, name))

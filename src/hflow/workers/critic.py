@@ -1,0 +1,72 @@
+"""The value model (Critic): a causal-LM backbone with a scalar head, FSDP2.
+
+`values[:, t]` is V(s_t), the value of the state *before* response token t, read at sequence
+position P + t - 1 — the same position whose logits give the token's log-prob.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from hflow.workers import layout
+from hflow.workers.base import ModelWorker, as_tensors, batch_meta
+from hflow.workers.fsdp import FSDPConfig, OptimConfig, build_model
+
+
+@dataclass
+class CriticConfig:
+    """The value model and how it is trained."""
+
+    model_path: str = ""
+    """Hugging Face directory of the value model; a causal LM (e.g. the actor's) gets a new scalar head"""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    epochs: int = 1
+    """passes over each batch"""
+    mini_batch_size: int = 0
+    """prompts per optimizer step, each with its rollout.n samples (0: the whole batch)"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward on one rank"""
+    max_tokens_per_micro_batch: int = 0
+    """token budget of a micro-batch on one rank, balanced over ranks (0: use micro_batch_size)"""
+    loss_weighting: Literal["tokens", "sequences"] = "tokens"
+    """micro-batch losses add up weighted by response tokens (token-mean losses) or by sequences"""
+    head_init_seed: int = 0
+    """seed of the new value head's initialisation"""
+
+
+class Critic(ModelWorker):
+    """`values(batch)` and `update(batch, loss_fn)` with loss_fn(values, micro_batch) -> (loss, metrics)."""
+
+    flag_prefix = "critic"
+
+    def __init__(self, mesh: DeviceMesh, cfg: CriticConfig, default_model_path: str = ""):
+        path = cfg.model_path or default_model_path
+        if not path:
+            raise ValueError("--critic.model-path is required (a value model, or a causal LM to start from)")
+        model = build_model(path, mesh, cfg.fsdp, "value", head_init_seed=cfg.head_init_seed)
+        super().__init__(mesh, model, cfg, cfg.optim)
+
+    def _values(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        R = mb["response_mask"].shape[1]
+        L = mb["input_ids"].shape[1]
+        out = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                         position_ids=layout.position_ids(mb["attention_mask"]), use_cache=False)
+        return out.logits[:, L - R - 1:L - 1, 0].float()
+
+    @torch.no_grad()
+    def values(self, batch) -> dict[str, torch.Tensor]:
+        """{"values": [B, R]}."""
+        self.model.eval()
+        return self.forward_rows(as_tensors(batch), lambda mb: {"values": self._values(layout.trim_padding(mb))})
+
+    def update(self, batch, loss_fn: Callable) -> dict[str, float]:
+        from hflow.workers.actor import Actor
+
+        def loss_of(mb):
+            return loss_fn(self._values(mb), Actor.wrap(mb, batch))
+
+        return self.train(as_tensors(batch), int(batch_meta(batch).get("n", 1)), loss_of, self.cfg.epochs)

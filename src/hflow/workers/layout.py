@@ -1,0 +1,167 @@
+"""The layout of a batch of sequences — defined here and nowhere else.
+
+A batch of B sequences, each a prompt followed by a response, is a set of tensors:
+
+    input_ids       [B, P + R]  long   the prompt left-padded to P, then the response right-padded to R
+    attention_mask  [B, P + R]  long   1 on real tokens (prompt and response), 0 on padding
+    responses       [B, R]      long   input_ids[:, P:]
+    response_mask   [B, R]      float  1 on response tokens that count in losses, else 0 (padding, and
+                                       e.g. tool output inside a multi-turn response)
+
+P is `input_ids.shape[1] - response_mask.shape[1]`. Positions are
+`position_ids = max(cumsum(attention_mask) - 1, 0)`, so left padding does not shift them.
+Every other per-token tensor (`log_probs`, `old_log_probs`, `ref_log_probs`, `values`,
+`advantages`, ...) is [B, R] and aligned with `responses`: column t is about token
+`responses[:, t]`, which the model predicts from the logits at sequence position P + t - 1.
+
+Rows come in prompt order with the n samples of a prompt next to each other (row i*n + j is
+sample j of prompt i), as `Batch.repeat(n, interleave=True)` lays them out.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask")
+
+
+def prompt_length(tensors) -> int:
+    return tensors["input_ids"].shape[1] - tensors["response_mask"].shape[1]
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sequence_tensors(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+                     response_len: int | None = None, prompt_len: int | None = None,
+                     response_logprobs: Sequence[Sequence[float]] | None = None) -> dict[str, torch.Tensor]:
+    """Build the layout above from token lists: `prompts[i]` is the prompt of `responses[i]`.
+
+    `prompt_len` / `response_len` fix the padded widths (so that batches made on different
+    ranks concatenate); by default they are the longest prompt / response. Responses longer
+    than `response_len` are an error, not silently cut.
+    """
+    assert len(prompts) == len(responses), (len(prompts), len(responses))
+    P = max(map(len, prompts)) if prompt_len is None else prompt_len
+    R = max(map(len, responses), default=0) if response_len is None else response_len
+    B = len(prompts)
+    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, P + R, dtype=torch.long)
+    response_mask = torch.zeros(B, R, dtype=torch.float32)
+    logprobs = torch.zeros(B, R, dtype=torch.float32)
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        if len(prompt) > P or len(response) > R:
+            raise ValueError(f"row {i}: prompt of {len(prompt)} / response of {len(response)} tokens "
+                             f"do not fit the widths {P} / {R}")
+        input_ids[i, P - len(prompt):P] = torch.as_tensor(prompt, dtype=torch.long)
+        input_ids[i, P:P + len(response)] = torch.as_tensor(response, dtype=torch.long)
+        attention_mask[i, P - len(prompt):P + len(response)] = 1
+        response_mask[i, :len(response)] = 1
+        if response_logprobs is not None:
+            logprobs[i, :len(response)] = torch.as_tensor(response_logprobs[i], dtype=torch.float32)
+    out = {"input_ids": input_ids, "attention_mask": attention_mask,
+           "responses": input_ids[:, P:].clone(), "response_mask": response_mask}
+    if response_logprobs is not None:
+        out["rollout_log_probs"] = logprobs
+    return out
+
+
+def engine_outputs_to_tensors(prompts: Sequence[Sequence[int]], outputs, pad_id: int,
+                              response_len: int | None = None, prompt_len: int | None = None):
+    """Engine results (`outputs[i].outputs[j]` for sample j of `prompts[i]`) -> (tensors, rows).
+
+    Tensors follow the layout above plus `rollout_log_probs` [B*n, R] (the engine's log-prob
+    of each sampled token) and `prompt_index` [B*n] (i, the group of the sample); `rows` holds
+    each row's `finish_reason`.
+    """
+    row_prompts, responses, logprobs, finish, group = [], [], [], [], []
+    for i, (prompt, request) in enumerate(zip(prompts, outputs)):
+        for sample in request.outputs:
+            row_prompts.append(list(prompt))
+            responses.append(list(sample.token_ids))
+            logprobs.append(list(sample.logprobs))
+            finish.append(sample.finish_reason)
+            group.append(i)
+    tensors = sequence_tensors(row_prompts, responses, pad_id, response_len, prompt_len, logprobs)
+    tensors["prompt_index"] = torch.tensor(group, dtype=torch.long)
+    return tensors, {"finish_reason": finish}
+
+
+def trim_padding(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the columns that are padding in every row: left of the longest prompt and right of
+    the longest response. Sequence-wide keys lose both, response-aligned keys ([B, R]) the right.
+    Results do not change: padding is masked out of attention and positions start at the first
+    real token."""
+    R = tensors["response_mask"].shape[1]
+    mask = tensors["attention_mask"]
+    P = mask.shape[1] - R
+    first = P - _max(mask[:, :P].sum(-1))  # prompts are left-padded
+    last = _max(mask[:, P:].sum(-1))       # responses are right-padded
+    out = {}
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor) or value.ndim < 2:
+            out[key] = value
+        elif value.shape[1] == P + R:
+            out[key] = value[:, first:P + last]
+        elif value.shape[1] == R:
+            out[key] = value[:, :last]
+        else:
+            out[key] = value
+    return out
+
+
+def _max(x: torch.Tensor) -> int:
+    return int(x.max()) if x.numel() else 0
+
+
+def minibatch_rows(num_rows: int, num_minibatches: int) -> list[torch.Tensor]:
+    """Rows of each mini-batch: row i goes to mini-batch i % M (strided).
+
+    Strided, not contiguous, so that a mini-batch is the same set of sequences whatever the
+    data-parallel size: rank r holds global rows [r*b, (r+1)*b) and, when b divides by M, its
+    local row i is in mini-batch i % M exactly when global row r*b + i is.
+    """
+    return [torch.arange(k, num_rows, num_minibatches) for k in range(num_minibatches)]
+
+
+def micro_batch_count(tokens: torch.Tensor, max_size: int, max_tokens: int) -> int:
+    """How many micro-batches this rank needs: rows by count, or by a token budget."""
+    if max_tokens > 0:
+        if _max(tokens) > max_tokens:
+            raise ValueError(f"a sequence of {int(tokens.max())} tokens exceeds the micro-batch "
+                             f"token budget {max_tokens}: raise --*.max-tokens-per-micro-batch")
+        return max(1, math.ceil(int(tokens.sum()) / max_tokens))
+    return max(1, math.ceil(len(tokens) / max_size))
+
+
+def split_micro_batches(tokens: torch.Tensor, count: int, balance: bool) -> list[torch.Tensor]:
+    """Split the rows of one rank into `count` micro-batches (every rank must use the same count:
+    FSDP runs collectives in each forward). By count: consecutive chunks. By tokens (`balance`):
+    longest first into the lightest micro-batch, each kept in row order."""
+    n = len(tokens)
+    if not balance:
+        return [idx for idx in torch.arange(n).tensor_split(count)]
+    bins: list[list[int]] = [[] for _ in range(count)]
+    load = [0] * count
+    for i in sorted(range(n), key=lambda i: -int(tokens[i])):
+        k = min(range(count), key=load.__getitem__)
+        bins[k].append(i)
+        load[k] += int(tokens[i])
+    return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                    with_entropy: bool = False):
+    """log pi(token) = log_softmax(logits / T)[token], T = 1 when temperature is 0 (greedy);
+    entropy H = -sum_v p_v log p_v of the same distribution. Computed in fp32."""
+    logits = logits.float()
+    if temperature not in (0, 1):
+        logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logp, entropy

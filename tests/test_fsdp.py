@@ -1,0 +1,240 @@
+"""FSDP2 set-up: loading, log-probs against transformers, and 1 rank == 2 ranks in training."""
+import glob
+import math
+import os
+
+import pytest
+import torch
+from dist import torchrun
+from safetensors.torch import load_file
+
+from hflow.workers.base import check_batch_sizes, num_minibatches
+from hflow.workers.fsdp import OptimConfig, build_optimizer
+from hflow.workers.layout import (engine_outputs_to_tensors, minibatch_rows, sequence_tensors,
+                                  split_micro_batches, trim_padding)
+
+
+TESTS_ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}  # scripts import these helpers
+
+
+def tiny_model_dir(path, vocab=101, layers=2, hidden=64, tie=False, shard=True, seed=0, arch="qwen2"):
+    """A random Llama-family model saved as a user's would be (sharded safetensors + index).
+    vocab 101 does not divide by 2 or 4: the uneven-shard paths are exercised."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    Config, Model = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    config = Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    model = Model(config)
+    model.save_pretrained(str(path), max_shard_size="40KB" if shard else "10GB")
+    return str(path)
+
+
+def random_rollouts(batch_prompts, n, vocab, seed, max_prompt=9, max_response=7):
+    """Token lists of varying lengths in the batch layout, plus advantages and old log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for _ in range(batch_prompts):
+        prompt = torch.randint(3, vocab, (int(torch.randint(1, max_prompt + 1, (1,), generator=g)),), generator=g)
+        for _ in range(n):
+            prompts.append(prompt.tolist())
+            length = int(torch.randint(1, max_response + 1, (1,), generator=g))
+            responses.append(torch.randint(3, vocab, (length,), generator=g).tolist())
+    t = sequence_tensors(prompts, responses, pad_id=0, response_len=max_response, prompt_len=max_prompt)
+    t["advantages"] = torch.randn(t["response_mask"].shape, generator=g)
+    t["old_log_probs"] = -3 - torch.rand(t["response_mask"].shape, generator=g)
+    return t
+
+
+# ---- single-process units ------------------------------------------------------------------
+
+def test_layout_left_pads_prompts_and_right_pads_responses():
+    t = sequence_tensors([[5, 6, 7], [8]], [[9], [10, 11, 1]], pad_id=0)
+    assert t["input_ids"].tolist() == [[5, 6, 7, 9, 0, 0], [0, 0, 8, 10, 11, 1]]
+    assert t["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]
+    assert t["responses"].tolist() == [[9, 0, 0], [10, 11, 1]]
+    assert t["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    trimmed = trim_padding({k: v[:1] for k, v in t.items()})
+    assert trimmed["input_ids"].tolist() == [[5, 6, 7, 9]] and trimmed["response_mask"].tolist() == [[1]]
+    with pytest.raises(ValueError, match="do not fit"):
+        sequence_tensors([[1, 2]], [[3, 4, 5]], pad_id=0, response_len=2)
+
+
+def test_engine_outputs_become_rows_grouped_by_prompt():
+    class Sample:
+        def __init__(self, ids):
+            self.token_ids, self.logprobs, self.finish_reason = ids, [-0.5] * len(ids), "stop"
+
+    class Request:
+        def __init__(self, *samples):
+            self.outputs = [Sample(s) for s in samples]
+
+    t, rows = engine_outputs_to_tensors([[4, 5], [6]], [Request([7], [8, 1]), Request([9, 9, 1], [3])],
+                                        pad_id=0, response_len=4)
+    assert t["prompt_index"].tolist() == [0, 0, 1, 1]
+    assert t["input_ids"].tolist() == [[4, 5, 7, 0, 0, 0], [4, 5, 8, 1, 0, 0],
+                                       [0, 6, 9, 9, 1, 0], [0, 6, 3, 0, 0, 0]]
+    assert t["rollout_log_probs"][2].tolist() == [-0.5, -0.5, -0.5, 0.0]
+    assert rows["finish_reason"] == ["stop"] * 4
+
+
+def test_minibatches_are_the_same_rows_on_any_number_of_ranks():
+    rows, count = 24, 3
+    one_rank = [set(r.tolist()) for r in minibatch_rows(rows, count)]
+    for dp in (2, 4):
+        local = rows // dp
+        per_rank = [[set((r * local + minibatch_rows(local, count)[k]).tolist()) for r in range(dp)]
+                    for k in range(count)]
+        assert [set().union(*sets) for sets in per_rank] == one_rank
+
+
+def test_batch_size_errors_name_the_flags():
+    assert num_minibatches(16, 4, 2, 2, "actor") == 2
+    with pytest.raises(ValueError, match="--actor.mini-batch-size 3"):
+        check_batch_sizes(batch_size=4, n=2, mini_batch_size=3, dp=2)
+    with pytest.raises(ValueError, match="--rollout.n 3 = 3 sequences do not split over 2 ranks"):
+        check_batch_sizes(batch_size=4, n=3, mini_batch_size=1, dp=2, prefix="critic")
+    with pytest.raises(ValueError, match="--data.batch-size 3"):
+        check_batch_sizes(batch_size=3, n=1, mini_batch_size=0, dp=2)
+
+
+def test_token_budget_balances_micro_batches():
+    tokens = torch.tensor([9, 1, 5, 5, 3, 7])
+    parts = split_micro_batches(tokens, 3, balance=True)
+    assert sorted(int(tokens[p].sum()) for p in parts) == [10, 10, 10]
+    assert sorted(torch.cat(parts).tolist()) == list(range(6))
+
+
+def test_learning_rate_schedules():
+    model = torch.nn.Linear(2, 2)
+    _, sched = build_optimizer(model, OptimConfig(lr=1.0, warmup_steps=2, schedule="cosine",
+                                                  total_steps=6, min_lr_ratio=0.1))
+    lrs = []
+    for _ in range(7):
+        lrs.append(sched.get_last_lr()[0])
+        sched.optimizer.step()
+        sched.step()
+    expected = [0.5, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p / 4)) for p in range(5)]
+    assert lrs == pytest.approx(expected)
+    with pytest.raises(ValueError, match="--optim.total-steps"):
+        build_optimizer(model, OptimConfig(schedule="cosine"))
+
+
+# ---- multi-process ---------------------------------------------------------------------------
+
+LOG_PROBS = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForCausalLM
+from hflow.workers import Actor, ActorConfig, Reference
+from hflow.workers.layout import position_ids
+from test_fsdp import random_rollouts
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+path = sys.argv[1]
+batch = random_rollouts(4, 2, 101, seed=1)
+local = {k: v.chunk(world)[rank] for k, v in batch.items()}
+cfg = ActorConfig(model_path=path, micro_batch_size=3)
+out = Actor(mesh, cfg).log_probs(local, temperature=0.7, with_entropy=True)
+ref = Reference(mesh, cfg).log_probs(local, temperature=0.7)
+# oracle: a plain transformers forward of the whole sequence
+hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+with torch.no_grad():
+    logits = hf(input_ids=local["input_ids"], attention_mask=local["attention_mask"],
+                position_ids=position_ids(local["attention_mask"])).logits
+R = local["response_mask"].shape[1]
+logp_all = torch.log_softmax(logits[:, -R - 1:-1] / 0.7, -1)
+expect = logp_all.gather(-1, local["responses"].unsqueeze(-1)).squeeze(-1)
+mask = local["response_mask"].bool()
+entropy = -(logp_all.exp() * logp_all).sum(-1)
+print("diff", rank, (out["old_log_probs"] - expect)[mask].abs().max().item(),
+      (out["entropy"] - entropy)[mask].abs().max().item(),
+      (ref["ref_log_probs"] - expect)[mask].abs().max().item(), flush=True)
+assert (out["old_log_probs"][~mask] == 0).all()
+assert torch.allclose(out["old_log_probs"][mask], expect[mask], atol=1e-5)
+assert torch.allclose(out["entropy"][mask], entropy[mask], atol=1e-5)
+assert torch.allclose(ref["ref_log_probs"][mask], expect[mask], atol=1e-5)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_log_probs_equal_transformers_forward(tmp_path, tie):
+    path = tiny_model_dir(tmp_path / "model", tie=tie)
+    run = torchrun(LOG_PROBS, nproc=2, args=[path], tmp_path=tmp_path, timeout=300, env=TESTS_ENV).check()
+    assert run.output.count("diff") == 2
+
+
+TRAIN = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from hflow.workers import Actor, ActorConfig, OptimConfig
+from test_fsdp import random_rollouts
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+path, out = sys.argv[1], sys.argv[2]
+
+def ppo_loss(logp, mb, entropy=None):
+    mask = mb["response_mask"]
+    ratio = torch.exp(logp - mb["old_log_probs"])
+    per_token = -torch.min(ratio * mb["advantages"], ratio.clamp(0.8, 1.2) * mb["advantages"])
+    clipped = ((ratio - 1).abs() > 0.2).float()
+    if weighting == "tokens":  # token-mean
+        mean = lambda x: (x * mask).sum() / mask.sum()
+    else:  # seq-mean-token-mean
+        mean = lambda x: ((x * mask).sum(-1) / mask.sum(-1)).mean()
+    return mean(per_token), {"clipfrac": mean(clipped)}
+
+saved = {}
+for weighting in ("tokens", "sequences"):
+    # different micro-batching on each layout: by count on 1 rank, by token budget on 2
+    cfg = ActorConfig(model_path=path, mini_batch_size=2, epochs=2, loss_weighting=weighting,
+                      micro_batch_size=3, max_tokens_per_micro_batch=0 if world == 1 else 24,
+                      optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=20,
+                                        grad_clip=0.5))
+    actor = Actor(mesh, cfg)
+    metrics = []
+    for step in range(3):
+        batch = random_rollouts(4, 2, 101, seed=10 + step)
+        metrics.append(actor.update({k: v.chunk(world)[rank] for k, v in batch.items()}, ppo_loss))
+    saved[weighting] = {"metrics": metrics,
+                        "weights": {n: p.full_tensor() for n, p in actor.model.named_parameters()}}
+if rank == 0:
+    torch.save(saved, out)
+dist.destroy_process_group()
+"""
+
+
+def test_one_rank_and_two_ranks_train_the_same(tmp_path):
+    """FSDP2 changes the layout, not the math: same losses and weights after 3 updates
+    (8 sequences of varying lengths, 2 mini-batches x 2 epochs each, clipping, a schedule,
+    different micro-batching), for token-mean and seq-mean losses."""
+    path = tiny_model_dir(tmp_path / "model")
+    for world in (1, 2):
+        torchrun(TRAIN, nproc=world, args=[path, tmp_path / f"out{world}.pt"],
+                 tmp_path=tmp_path, timeout=300, env=TESTS_ENV).check()
+    start = {}
+    for f in glob.glob(f"{path}/*.safetensors"):
+        start |= load_file(f)
+    for weighting in ("tokens", "sequences"):
+        one, two = (torch.load(tmp_path / f"out{w}.pt")[weighting] for w in (1, 2))
+        for m1, m2 in zip(one["metrics"], two["metrics"]):
+            assert m1.keys() == m2.keys() == {"loss", "clipfrac", "grad_norm", "lr"}
+            for key in m1:
+                assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), (key, m1, m2)
+        assert max(m["grad_norm"] for m in one["metrics"]) > 0.5  # clipping was active
+        moved = 0.0
+        for name, w1 in one["weights"].items():
+            moved = max(moved, (w1 - start[name]).abs().max().item())
+            if name.endswith("k_proj.bias"):
+                # Its gradient is exactly 0 in exact arithmetic (a key bias shifts all of a
+                # query's scores equally): Adam's normalisation turns rounding noise into steps.
+                continue
+            torch.testing.assert_close(w1, two["weights"][name], rtol=1e-5, atol=1e-6)
+        assert moved > 1e-3, "training did not change the weights"
