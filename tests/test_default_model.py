@@ -107,3 +107,15 @@ def test_default_model_dir_builds_once_into_the_cache(tmp_path, monkeypatch):
     assert dm.default_model_dir("tiny", seed=0) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [path.name]     # no temporary left behind
+
+
+def test_concurrent_builds_of_the_cache_agree(tmp_path):
+    # Every rank of a fresh run may call default_model_dir at once: all must get a whole model.
+    code = ("import sys; from hflow.default_model import default_model_dir;"
+            "print(default_model_dir('tiny', seed=3, cache_dir=sys.argv[1]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and len(set(outs)) == 1, outs
+    assert [p.name for p in tmp_path.iterdir()] == ["default-tiny-seed3-v1"]
+    assert AutoModelForCausalLM.from_pretrained(outs[0]).config.hidden_size == 64
