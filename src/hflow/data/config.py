@@ -1,0 +1,39 @@
+"""DataConfig: where prompts come from (``--data.*`` flags), and the error that names the flag."""
+from dataclasses import dataclass, field
+
+
+class DataError(ValueError):
+    """Bad prompt data or data flags; the message names the flag to fix."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a DataConfig field, as tyro spells it in a recipe."""
+    return "--data." + name.replace("_", "-")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training prompts: .jsonl/.json, .parquet or .csv files, or datasets.save_to_disk directories; empty = the built-in --data.task."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out prompts for evaluation (same formats); empty = the built-in task's held-out split, or none."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages rendered with the tokenizer's chat template."""
+    answer_key: str = "answer"
+    """Column holding the ground truth given to the reward function ('a.b' reads a nested field; '' = none)."""
+    chat: bool = False
+    """Render string prompts too as one user message through the tokenizer's chat template."""
+    max_prompt_length: int = 512
+    """Prompts longer than this many tokens are dropped (and counted in a message)."""
+    batch_size: int = 32
+    """Prompts per training step (each is sampled --rollout.n times); the last partial batch of an epoch is skipped."""
+    shuffle: bool = True
+    """Reshuffle the training prompts every epoch."""
+    seed: int = 0
+    """Seed of the per-epoch shuffle."""
+    task: str = "arithmetic"
+    """Built-in generated task, used when --data.train-files is empty: arithmetic (2-digit a+b, a-b)."""
+    task_seed: int = 0
+    """Seed that generates the built-in task's problems and its train / held-out split."""
+    task_eval_size: int = 500
+    """Held-out prompts of the built-in task, never trained on."""

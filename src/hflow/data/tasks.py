@@ -1,0 +1,44 @@
+"""Built-in generated tasks: prompt datasets that need no file, for the embedded default model.
+
+A task enumerates every distinct problem it can pose, shuffles them with a seed and cuts the
+held-out split off the front; the rest is the training split. The splits are therefore disjoint
+(no prompt appears in both) and the same for the same seed on every machine.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from hflow.data.config import DataError, flag
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """``"12+35="`` -> ``"47"``, ``"47-35="`` -> ``"12"``: two operands of ``digits`` digits;
+    subtraction puts the larger operand first, so every answer is a non-negative integer.
+    Scored by the ``arithmetic`` reward (the completion must start with the answer).
+    With 2 digits: 8,100 sums + 4,095 differences = 12,195 distinct problems."""
+    digits: int = 2
+    reward_fn: str = "arithmetic"
+
+    def problems(self) -> list[dict]:
+        low, high = 10 ** (self.digits - 1), 10 ** self.digits
+        rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
+                for a in range(low, high) for b in range(low, high)]
+        rows += [{"prompt": f"{a}-{b}=", "answer": str(a - b)}
+                 for a in range(low, high) for b in range(low, a + 1)]
+        return rows
+
+
+TASKS = {"arithmetic": ArithmeticTask()}
+
+
+def task_splits(name: str, seed: int = 0, eval_size: int = 500) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) of a built-in task; rows are ``{"prompt", "answer"}``."""
+    if name not in TASKS:
+        raise DataError(f"{flag('task')}: unknown task {name!r} (built in: {', '.join(sorted(TASKS))})")
+    problems = TASKS[name].problems()
+    if not 0 < eval_size < len(problems):
+        raise DataError(f"{flag('task_eval_size')} must be in 1..{len(problems) - 1} for task "
+                        f"{name!r} ({len(problems)} problems), got {eval_size}")
+    order = np.random.default_rng(seed).permutation(len(problems))
+    return [problems[i] for i in order[eval_size:]], [problems[i] for i in order[:eval_size]]

@@ -1,0 +1,318 @@
+"""Batch scoring: one score function over many responses, never crashing, never hanging.
+
+``score_batch`` runs the function in worker processes, one response at a time per worker, each
+under a deadline. A response whose scoring raises, takes longer than ``timeout`` seconds (its
+worker is killed and replaced) or kills its worker scores 0, and the batch metrics count it as
+an error, a timeout or a crash. Functions marked ``inline_safe`` (the fast built-ins) run in the
+calling process instead: starting processes would cost more than scoring.
+
+Workers are started with ``forkserver`` (``spawn`` where unavailable), never ``fork``: the
+controller holds RPC and torch threads, and forking a threaded process can deadlock the child.
+A function is sent to the workers by reference, so it must be importable: defined at module
+level, in an importable module or in the recipe script itself.
+"""
+import atexit
+import logging
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+logger = logging.getLogger("hflow.rewards")
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "arithmetic"
+    """Score function: arithmetic, gsm8k, gsm8k_flexible, math, countdown, or 'package.module:function'."""
+    num_workers: int = 4
+    """Worker processes that score responses (user functions and the math scorer run there)."""
+    timeout: float = 10.0
+    """Seconds one response may take to score; a slower one scores 0 and its worker is replaced."""
+    inline: Optional[bool] = None
+    """Score in the controller process: None = only the fast built-ins; True = always (no timeout; for debugging)."""
+
+
+@dataclass
+class ScoredBatch:
+    scores: list[float]
+    """One score per response; 0.0 where scoring failed."""
+    details: list[dict] = field(default_factory=list)
+    """Per response, the extra metrics a dict-returning function gave ({} for a float)."""
+    failures: list[Optional[str]] = field(default_factory=list)
+    """Per response, None or why it scored 0 ('timeout after 10s', 'ValueError: ...')."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """reward/mean, reward/errors, reward/timeouts, reward/crashes, reward/<extra metric> means."""
+
+
+# ---------------------------------------------------------------- one item, in any process
+
+def _as_score(out: Any) -> tuple[float, dict]:
+    """A score function's return value as (score, extra metrics); ValueError if malformed."""
+    details = {}
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise ValueError(f"score function returned a dict without 'score' (keys: {sorted(out)})")
+        details = {k: (v if isinstance(v, (bool, int, float, str)) else repr(v))
+                   for k, v in out.items() if k != "score"}
+        out = out["score"]
+    score = float(out)
+    if not math.isfinite(score):
+        raise ValueError(f"score function returned a non-finite score {score}")
+    return score, details
+
+
+def _score_one(fn: Callable, response: str, ground_truth: Any, extra: dict) -> tuple:
+    """("ok", score, details) or ("error", reason); catches everything a scorer may raise."""
+    try:
+        return ("ok", *_as_score(fn(response, ground_truth, **extra)))
+    except Exception as e:  # a user's scorer may raise anything: it must cost one score, not the run
+        return ("error", f"{type(e).__name__}: {e}"[:500])
+
+
+def _worker_main(conn) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            return  # the pool closed the pipe
+        if not payload:
+            return  # the pool's stop message
+        try:
+            fn, response, ground_truth, extra = pickle.loads(payload)
+        except Exception as e:  # e.g. the scorer's module does not import in a fresh process
+            result = ("error", f"cannot load the task in the worker: {type(e).__name__}: {e}"[:500])
+        else:
+            result = _score_one(fn, response, ground_truth, extra)
+        try:
+            conn.send(result)
+        except Exception as e:  # details that do not pickle
+            conn.send(("error", f"cannot return the result: {type(e).__name__}: {e}"[:500]))
+
+
+# ---------------------------------------------------------------- the pool
+
+class _Worker:
+    def __init__(self, ctx):
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child_conn,), daemon=True,
+                                   name="hflow-reward-worker")
+        self.process.start()
+        child_conn.close()
+
+    def kill(self):
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+    def stop(self):
+        try:
+            self.conn.send_bytes(b"")
+        except OSError:
+            pass
+        self.process.join(timeout=1)
+        if self.process.is_alive():
+            self.kill()
+        self.conn.close()
+
+
+def _default_start_method() -> str:
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+class RewardPool:
+    """Worker processes that score responses with a per-item timeout; reused across batches.
+    Close it (or use ``with``) to stop the workers; they are daemons, so they die with the
+    controller anyway."""
+
+    def __init__(self, num_workers: int = 4, start_method: Optional[str] = None):
+        if num_workers < 1:
+            raise ValueError(f"--reward.num-workers must be >= 1, got {num_workers}")
+        self.num_workers = num_workers
+        self._ctx = mp.get_context(start_method or _default_start_method())
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()  # one batch at a time: workers hold per-batch state
+
+    def score(self, fn: Callable, responses: Sequence[str], ground_truths: Sequence,
+              extras: Optional[Sequence[dict]] = None, timeout: float = 10.0) -> ScoredBatch:
+        responses, ground_truths, extras = _check_inputs(responses, ground_truths, extras)
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            raise TypeError(
+                f"the score function {fn!r} cannot be sent to worker processes ({e}): define it "
+                "at module level of an importable module or of the recipe script"
+            ) from e
+        results: list = [None] * len(responses)
+        with self._lock:
+            self._run(fn, responses, ground_truths, extras, timeout, results)
+        return _collect(results)
+
+    def _run(self, fn, responses, ground_truths, extras, timeout, results):
+        todo = deque(range(len(responses)))
+        busy: dict[_Worker, tuple[int, float]] = {}  # worker -> (item, deadline)
+        try:
+            while todo or busy:
+                while todo and len(busy) < self.num_workers:
+                    index = todo.popleft()
+                    try:
+                        payload = pickle.dumps((fn, responses[index], ground_truths[index], extras[index]))
+                    except Exception as e:
+                        results[index] = ("error", f"cannot send the item to a worker: {type(e).__name__}: {e}")
+                        continue
+                    worker = self._idle.pop() if self._idle else _Worker(self._ctx)
+                    try:
+                        worker.conn.send_bytes(payload)
+                    except OSError:  # the worker died while idle: replace it, retry the item
+                        worker.kill()
+                        todo.appendleft(index)
+                        continue
+                    busy[worker] = (index, time.monotonic() + timeout)
+                if not busy:
+                    continue
+                wait_for = min(deadline for _, deadline in busy.values()) - time.monotonic()
+                handles = [w.conn for w in busy] + [w.process.sentinel for w in busy]
+                mp.connection.wait(handles, timeout=max(0.0, wait_for))
+                for worker, (index, deadline) in list(busy.items()):
+                    if worker.conn.poll():
+                        try:
+                            results[index] = worker.conn.recv()
+                        except (EOFError, OSError):  # died before answering
+                            worker.process.join(timeout=5)
+                            results[index] = ("crash", f"worker died (exit code {worker.process.exitcode})")
+                            worker.kill()
+                        else:
+                            self._idle.append(worker)
+                        del busy[worker]
+                    elif not worker.process.is_alive():
+                        results[index] = ("crash", f"worker died (exit code {worker.process.exitcode})")
+                        worker.kill()
+                        del busy[worker]
+                    elif time.monotonic() >= deadline:
+                        results[index] = ("timeout", f"timeout after {timeout:g}s")
+                        worker.kill()  # the only way to stop a function stuck in C or a loop
+                        del busy[worker]
+        finally:
+            for worker in busy:  # interrupted (e.g. Ctrl-C): their results would arrive late
+                worker.kill()
+
+    def close(self):
+        with self._lock:
+            for worker in self._idle:
+                worker.stop()
+            self._idle.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------- batch scoring
+
+def _check_inputs(responses, ground_truths, extras):
+    if len(responses) != len(ground_truths):
+        raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+    if extras is None:
+        extras = [{}] * len(responses)
+    elif len(extras) != len(responses):
+        raise ValueError(f"{len(responses)} responses but {len(extras)} extras")
+    return list(responses), list(ground_truths), [dict(e or {}) for e in extras]
+
+
+def _collect(results: list) -> ScoredBatch:
+    scores, details, failures, kinds = [], [], [], Counter()
+    for result in results:
+        if result[0] == "ok":
+            scores.append(result[1])
+            details.append(result[2])
+            failures.append(None)
+        else:
+            scores.append(0.0)
+            details.append({})
+            failures.append(result[1])
+            kinds[result[0]] += 1
+    metrics = {"reward/mean": sum(scores) / len(scores) if scores else 0.0,
+               "reward/errors": float(kinds["error"]), "reward/timeouts": float(kinds["timeout"]),
+               "reward/crashes": float(kinds["crash"])}
+    sums, counts = Counter(), Counter()
+    for d in details:
+        for key, value in d.items():
+            if isinstance(value, (bool, int, float)):
+                sums[key] += float(value)
+                counts[key] += 1
+    metrics.update({f"reward/{key}": sums[key] / counts[key] for key in sums})
+    failed = [f for f in failures if f is not None]
+    if failed:
+        logger.warning("%d of %d responses scored 0 because scoring failed (%s); first: %s",
+                       len(failed), len(results),
+                       ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())), failed[0])
+    return ScoredBatch(scores, details, failures, metrics)
+
+
+_shared_pools: dict[tuple, RewardPool] = {}
+_shared_lock = threading.Lock()
+
+
+def _shared_pool(num_workers: int) -> RewardPool:
+    """One pool per worker count and process, reused by every score_batch call."""
+    key = (num_workers, os.getpid())
+    with _shared_lock:
+        if key not in _shared_pools:
+            _shared_pools[key] = RewardPool(num_workers)
+        return _shared_pools[key]
+
+
+@atexit.register
+def _close_shared_pools():
+    for pool in _shared_pools.values():
+        pool.close()
+
+
+def score_batch(fn: Callable, responses: Sequence[str], ground_truths: Sequence,
+                extras: Optional[Sequence[dict]] = None, num_workers: int = 4,
+                timeout: float = 10.0, inline: Optional[bool] = None,
+                pool: Optional[RewardPool] = None) -> ScoredBatch:
+    """Score ``fn(responses[i], ground_truths[i], **extras[i])`` for every i.
+
+    ``inline=None`` scores in this process when ``fn`` is marked ``inline_safe`` and in worker
+    processes (``pool``, or one shared pool per ``num_workers``) otherwise; ``inline=True``
+    always scores here, without the timeout. Failures score 0 and are counted in ``.metrics``.
+    """
+    if inline is None:
+        inline = getattr(fn, "inline_safe", False)
+    if inline:
+        responses, ground_truths, extras = _check_inputs(responses, ground_truths, extras)
+        return _collect([_score_one(fn, r, g, e) for r, g, e in zip(responses, ground_truths, extras)])
+    return (pool or _shared_pool(num_workers)).score(fn, responses, ground_truths, extras, timeout)
+
+
+class Scorer:
+    """``RewardConfig`` made callable: ``Scorer(cfg.reward)(responses, ground_truths, extras)``."""
+
+    def __init__(self, cfg: RewardConfig):
+        from hflow.rewards import get_reward_fn
+        self.cfg = cfg
+        self.fn = get_reward_fn(cfg.fn)
+        self._pool: Optional[RewardPool] = None
+
+    def __call__(self, responses: Sequence[str], ground_truths: Sequence,
+                 extras: Optional[Sequence[dict]] = None) -> ScoredBatch:
+        inline = self.cfg.inline if self.cfg.inline is not None else getattr(self.fn, "inline_safe", False)
+        if not inline and self._pool is None:
+            self._pool = RewardPool(self.cfg.num_workers)
+        return score_batch(self.fn, responses, ground_truths, extras, timeout=self.cfg.timeout,
+                           inline=inline, pool=self._pool)
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.close()
