@@ -207,6 +207,7 @@ def test_inline_failures_are_caught_and_counted():
     assert "RuntimeError: scorer bug" in result.failures[1] and "'score'" in result.failures[2]
 
 
+@pytest.mark.timeout(120)  # a pool that hangs must fail here, not stall the suite
 def test_pool_survives_hanging_raising_and_dying_scorers(caplog):
     responses = ["a", "hang", "raise", "b", "die", "a", "hang", "c"]
     truths = ["a", "x", "x", "b", "x", "z", "x", "c"]
@@ -229,6 +230,7 @@ def test_pool_survives_hanging_raising_and_dying_scorers(caplog):
     assert all(c.name != "hflow-reward-worker" for c in multiprocessing.active_children())
 
 
+@pytest.mark.timeout(120)  # a pool that hangs must fail here, not stall the suite
 def test_pool_runs_the_math_scorer_and_rejects_lambdas():
     scorer = Scorer(RewardConfig(fn="math", num_workers=1, timeout=30.0))
     try:
@@ -240,3 +242,28 @@ def test_pool_runs_the_math_scorer_and_rejects_lambdas():
         score_batch(lambda r, g: 1.0, ["a"], ["a"], pool=RewardPool(1))
     with pytest.raises(ValueError, match="ground truths"):
         score_batch(arithmetic_score, ["1", "2"], ["1"])
+
+
+@pytest.mark.timeout(120)  # a pool that hangs must fail here, not stall the suite
+def test_pool_loads_slow_modules_outside_the_item_timeout_and_reports_unloadable_ones(tmp_path, monkeypatch):
+    import sys
+    import types
+    (tmp_path / "slow_scorer.py").write_text(
+        "import time\ntime.sleep(1.5)  # an import as slow as torch's\n"
+        "def score(response, ground_truth, **extra):\n    return float(response == ground_truth)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ghost = types.ModuleType("ghost_scorer")  # importable here, not in a fresh process
+
+    def ghost_score(response, ground_truth, **extra):
+        return 1.0
+    ghost_score.__module__, ghost_score.__qualname__ = "ghost_scorer", "ghost_score"
+    ghost.ghost_score = ghost_score
+    monkeypatch.setitem(sys.modules, "ghost_scorer", ghost)
+    with RewardPool(num_workers=2, start_method="spawn") as pool:  # spawn: children see this sys.path
+        t = time.monotonic()
+        result = pool.score(get_reward_fn("slow_scorer:score"), ["1", "2", "3"], ["1", "2", "0"], timeout=0.5)
+        assert result.scores == [1.0, 1.0, 0.0] and result.failures == [None] * 3
+        result = pool.score(ghost_score, ["1", "2"], ["1", "2"], timeout=0.5)
+        assert result.scores == [0.0, 0.0] and result.metrics["reward/errors"] == 2.0
+        assert "cannot load the score function" in result.failures[0]
+        assert time.monotonic() - t < 60

@@ -9,7 +9,10 @@ calling process instead: starting processes would cost more than scoring.
 Workers are started with ``forkserver`` (``spawn`` where unavailable), never ``fork``: the
 controller holds RPC and torch threads, and forking a threaded process can deadlock the child.
 A function is sent to the workers by reference, so it must be importable: defined at module
-level, in an importable module or in the recipe script itself.
+level, in an importable module or in the recipe script itself. A fresh worker first loads it
+(imports its module) under ``load_timeout``, so that a slow import (torch, sympy) does not count
+against the first item's ``timeout``. Workers are daemon processes: a score function may start
+subprocesses (``subprocess.run`` for a code sandbox) but not ``multiprocessing`` children.
 """
 import atexit
 import logging
@@ -78,20 +81,24 @@ def _score_one(fn: Callable, response: str, ground_truth: Any, extra: dict) -> t
 
 
 def _worker_main(conn) -> None:
+    """Serve ("load", pickled fn) and ("score", response, ground truth, extra) until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    fn = None
     while True:
         try:
-            payload = conn.recv_bytes()
+            message = conn.recv()
         except (EOFError, OSError):
             return  # the pool closed the pipe
-        if not payload:
+        if message is None:
             return  # the pool's stop message
-        try:
-            fn, response, ground_truth, extra = pickle.loads(payload)
-        except Exception as e:  # e.g. the scorer's module does not import in a fresh process
-            result = ("error", f"cannot load the task in the worker: {type(e).__name__}: {e}"[:500])
+        if message[0] == "load":
+            try:
+                fn = pickle.loads(message[1])
+                result = ("loaded",)
+            except Exception as e:  # e.g. the scorer's module does not import in a fresh process
+                result = ("error", f"cannot load the score function in a worker: {type(e).__name__}: {e}"[:500])
         else:
-            result = _score_one(fn, response, ground_truth, extra)
+            result = _score_one(fn, *message[1:])
         try:
             conn.send(result)
         except Exception as e:  # details that do not pickle
@@ -107,6 +114,7 @@ class _Worker:
                                    name="hflow-reward-worker")
         self.process.start()
         child_conn.close()
+        self.loaded: Optional[bytes] = None  # the pickled score function this worker holds
 
     def kill(self):
         self.process.kill()
@@ -115,13 +123,16 @@ class _Worker:
 
     def stop(self):
         try:
-            self.conn.send_bytes(b"")
+            self.conn.send(None)
         except OSError:
             pass
         self.process.join(timeout=1)
         if self.process.is_alive():
             self.kill()
         self.conn.close()
+
+
+_LOAD = -1  # the job of a worker that is loading the score function, not scoring an item
 
 
 def _default_start_method() -> str:
@@ -133,19 +144,23 @@ class RewardPool:
     Close it (or use ``with``) to stop the workers; they are daemons, so they die with the
     controller anyway."""
 
-    def __init__(self, num_workers: int = 4, start_method: Optional[str] = None):
+    def __init__(self, num_workers: int = 4, start_method: Optional[str] = None,
+                 load_timeout: float = 120.0):
         if num_workers < 1:
             raise ValueError(f"--reward.num-workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
+        self.load_timeout = load_timeout  # importing a scorer's module (torch, sympy) is slow, once
         self._ctx = mp.get_context(start_method or _default_start_method())
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()  # one batch at a time: workers hold per-batch state
 
     def score(self, fn: Callable, responses: Sequence[str], ground_truths: Sequence,
               extras: Optional[Sequence[dict]] = None, timeout: float = 10.0) -> ScoredBatch:
+        """Score every response; each may take ``timeout`` seconds once its worker has loaded
+        ``fn`` (loading, i.e. importing its module in a fresh worker, has ``load_timeout``)."""
         responses, ground_truths, extras = _check_inputs(responses, ground_truths, extras)
         try:
-            pickle.dumps(fn)
+            fn_bytes = pickle.dumps(fn)
         except Exception as e:
             raise TypeError(
                 f"the score function {fn!r} cannot be sent to worker processes ({e}): define it "
@@ -153,29 +168,39 @@ class RewardPool:
             ) from e
         results: list = [None] * len(responses)
         with self._lock:
-            self._run(fn, responses, ground_truths, extras, timeout, results)
+            self._run(fn_bytes, responses, ground_truths, extras, timeout, results)
         return _collect(results)
 
-    def _run(self, fn, responses, ground_truths, extras, timeout, results):
+    def _run(self, fn_bytes, responses, ground_truths, extras, timeout, results):
         todo = deque(range(len(responses)))
-        busy: dict[_Worker, tuple[int, float]] = {}  # worker -> (item, deadline)
+        busy: dict[_Worker, tuple[int, float]] = {}  # worker -> (item or _LOAD, deadline)
+
+        def give_up(reply: tuple):  # the function cannot be loaded in a worker: nor can any item be scored
+            while todo:
+                results[todo.popleft()] = reply
+
         try:
             while todo or busy:
                 while todo and len(busy) < self.num_workers:
-                    index = todo.popleft()
-                    try:
-                        payload = pickle.dumps((fn, responses[index], ground_truths[index], extras[index]))
-                    except Exception as e:
-                        results[index] = ("error", f"cannot send the item to a worker: {type(e).__name__}: {e}")
-                        continue
                     worker = self._idle.pop() if self._idle else _Worker(self._ctx)
+                    if worker.loaded == fn_bytes:
+                        index = todo.popleft()
+                        message = ("score", responses[index], ground_truths[index], extras[index])
+                        job = (index, time.monotonic() + timeout)
+                    else:
+                        message, job = ("load", fn_bytes), (_LOAD, time.monotonic() + self.load_timeout)
                     try:
-                        worker.conn.send_bytes(payload)
+                        worker.conn.send(message)
                     except OSError:  # the worker died while idle: replace it, retry the item
                         worker.kill()
-                        todo.appendleft(index)
+                        if job[0] != _LOAD:
+                            todo.appendleft(job[0])
                         continue
-                    busy[worker] = (index, time.monotonic() + timeout)
+                    except Exception as e:  # an item that does not pickle
+                        self._idle.append(worker)
+                        results[job[0]] = ("error", f"cannot send the item to a worker: {type(e).__name__}: {e}")
+                        continue
+                    busy[worker] = job
                 if not busy:
                     continue
                 wait_for = min(deadline for _, deadline in busy.values()) - time.monotonic()
@@ -184,22 +209,29 @@ class RewardPool:
                 for worker, (index, deadline) in list(busy.items()):
                     if worker.conn.poll():
                         try:
-                            results[index] = worker.conn.recv()
+                            reply = worker.conn.recv()
                         except (EOFError, OSError):  # died before answering
                             worker.process.join(timeout=5)
-                            results[index] = ("crash", f"worker died (exit code {worker.process.exitcode})")
+                            reply = ("crash", f"worker died (exit code {worker.process.exitcode})")
                             worker.kill()
                         else:
                             self._idle.append(worker)
-                        del busy[worker]
                     elif not worker.process.is_alive():
-                        results[index] = ("crash", f"worker died (exit code {worker.process.exitcode})")
+                        reply = ("crash", f"worker died (exit code {worker.process.exitcode})")
                         worker.kill()
-                        del busy[worker]
                     elif time.monotonic() >= deadline:
-                        results[index] = ("timeout", f"timeout after {timeout:g}s")
+                        limit = self.load_timeout if index == _LOAD else timeout
+                        reply = ("timeout", f"timeout after {limit:g}s" + (" loading the score function" if index == _LOAD else ""))
                         worker.kill()  # the only way to stop a function stuck in C or a loop
-                        del busy[worker]
+                    else:
+                        continue
+                    del busy[worker]
+                    if index != _LOAD:
+                        results[index] = reply
+                    elif reply[0] == "loaded":
+                        worker.loaded = fn_bytes
+                    else:
+                        give_up(reply)
         finally:
             for worker in busy:  # interrupted (e.g. Ctrl-C): their results would arrive late
                 worker.kill()
