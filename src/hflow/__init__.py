@@ -14,13 +14,17 @@ _EXPORTS = {
     "WorkerGroup": "hflow.cluster",
     "RemoteError": "hflow.cluster",
     "Batch": "hflow.batch",
+    "DataConfig": "hflow.data",
+    "RewardConfig": "hflow.rewards",
+    "Scorer": "hflow.rewards",
     "dispatch": "hflow.dispatch",
     "Actor": "hflow.workers",
     "Reference": "hflow.workers",
     "Critic": "hflow.workers",
     "RewardModel": "hflow.workers",
 }
-_SUBMODULES = {"algos", "rewards", "data", "engine", "workers", "config", "metrics", "checkpoint"}
+_SUBMODULES = {"algos", "rewards", "data", "engine", "workers", "config", "metrics", "checkpoint",
+               "default_model"}
 
 
 def __getattr__(name):
