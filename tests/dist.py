@@ -75,3 +75,78 @@ def _descendants(root: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+@dataclass
+class Ranks:
+    """Per-rank outcome of `run_ranks`."""
+    returncodes: list[int]
+    outputs: list[str]
+    elapsed: float           # seconds from start until the last rank ended
+    timed_out: bool
+    ended_at: list[float]    # time.time() when each rank was seen to end
+
+    @property
+    def output(self) -> str:
+        return "\n".join(f"===== rank {r} (exit {c}) =====\n{o}"
+                         for r, (c, o) in enumerate(zip(self.returncodes, self.outputs)))
+
+    def check(self):
+        assert not self.timed_out, f"ranks timed out after {self.elapsed:.0f} s:\n{self.output}"
+        assert all(c == 0 for c in self.returncodes), f"a rank failed:\n{self.output}"
+        return self
+
+
+def run_ranks(script: str, nproc: int, args=(), timeout: float = 300, tmp_path=None,
+              env=None) -> Ranks:
+    """Start `nproc` ranks as plain processes with the environment torchrun would give them,
+    but without torchrun's agent: nothing kills the other ranks when one dies, so a test sees
+    how the ranks end on their own, each with its own exit code. Any rank still alive at
+    `timeout` is killed and the run counts as timed out."""
+    import time
+    if "\n" in script:
+        assert tmp_path is not None, "pass tmp_path to run inline source"
+        path = os.path.join(str(tmp_path), f"script_{free_port()}.py")
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(script))
+        script = path
+    port = free_port()
+    procs, files = [], []
+    start = time.monotonic()
+    for rank in range(nproc):
+        rank_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {}),
+                    "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port)}
+        out = open(os.path.join(str(tmp_path), f"rank{rank}_{port}.log"), "w+") if tmp_path \
+            else __import__("tempfile").TemporaryFile("w+")
+        files.append(out)
+        procs.append(subprocess.Popen([sys.executable, script, *map(str, args)], stdout=out,
+                                      stderr=subprocess.STDOUT, text=True, env=rank_env,
+                                      start_new_session=True))
+    ended_at = [0.0] * nproc
+    while any(p.poll() is None for p in procs) and time.monotonic() - start < timeout:
+        for rank, proc in enumerate(procs):
+            if ended_at[rank] == 0.0 and proc.poll() is not None:
+                ended_at[rank] = time.time()
+        time.sleep(0.05)
+    timed_out = any(p.poll() is None for p in procs)
+    for rank, proc in enumerate(procs):
+        if ended_at[rank] == 0.0 and proc.poll() is not None:
+            ended_at[rank] = time.time()
+    elapsed = time.monotonic() - start
+    if timed_out:
+        for proc in procs:
+            for pid in [proc.pid, *_descendants(proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in procs:
+            proc.wait()
+    outputs = []
+    for f in files:
+        f.seek(0)
+        outputs.append(f.read())
+        f.close()
+    return Ranks([p.returncode for p in procs], outputs, elapsed, timed_out, ended_at)

@@ -1,0 +1,427 @@
+"""The single controller: torchrun bootstrap, worker groups, futures, failure and shutdown.
+
+    def main(cluster: hflow.Cluster, cfg):            # runs on rank 0 only
+        critic = cluster.spawn(Critic, cfg.critic, ranks=[2, 3])
+        values = critic.values(batch)                   # blocks; dispatched by @dispatch
+        pending = critic.update.future(batch)           # returns at once; .result() waits
+    hflow.launch(main, cfg)                             # every rank runs this line
+
+Every rank runs `launch`: it joins the default process group (gloo on CPU; gloo for CPU
+tensors + NCCL for CUDA ones on GPUs, device = LOCAL_RANK) and RPC; rank 0 then runs
+`main(cluster, cfg)` while the other ranks serve calls (see server.py) until rank 0 is done.
+
+Failure model: the first error anywhere (a worker raised, a rank stopped answering) fails the
+call that hit it and every other pending or later call with a `RemoteError` naming the rank and
+carrying its traceback; when `main` ends that way, rank 0 tells every rank to exit and all of
+them exit with status 1 within seconds. A rank that dies is found by its RPC connection
+closing or by the controller's heartbeat (every HFLOW_HEARTBEAT_S=2 s; a rank that does not
+answer within HFLOW_PEER_TIMEOUT_S=30 s counts as dead); workers exit on their own when the
+controller is silent for HFLOW_CONTROLLER_TIMEOUT_S=60 s. Nothing waits forever.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import itertools
+import os
+import socket
+import sys
+import threading
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import transport
+from .dispatch import Layout, gather, mode_of, scatter
+from .server import Server, _hard_exit, _log, to_cpu
+
+_device: torch.device | None = None
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+class RemoteError(RuntimeError):
+    """A worker call failed on `rank`; `remote_traceback` is the worker's traceback."""
+
+    def __init__(self, rank: int, what: str, remote_traceback: str):
+        self.rank, self.what, self.remote_traceback = rank, what, remote_traceback
+        super().__init__(f"{what} failed on rank {rank}. Remote traceback:\n"
+                         f"{remote_traceback.rstrip()}")
+
+    def __reduce__(self):
+        return RemoteError, (self.rank, self.what, self.remote_traceback)
+
+
+class Future:
+    """A call in flight. `result(timeout=None)` waits and returns what the blocking call
+    would have returned (or raises its RemoteError); `done()` does not wait."""
+
+    def __init__(self, what: str, ranks: list[int], combine: Callable[[dict], Any]):
+        self.what = what
+        self._combine = combine
+        self._missing = set(ranks)
+        self._parts: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._inner: concurrent.futures.Future = concurrent.futures.Future()
+        self._value, self._combined = None, False
+
+    def result(self, timeout: float | None = None):
+        self._inner.result(timeout)   # raises the call's RemoteError
+        with self._lock:   # combine once, on the caller's thread (concatenation can be big)
+            if not self._combined:
+                self._value, self._combined = self._combine(self._parts), True
+                self._parts = {}
+        return self._value
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def _part(self, rank: int, value) -> None:
+        with self._lock:
+            self._parts[rank] = value
+            self._missing.discard(rank)
+            if not self._missing and not self._inner.done():
+                self._inner.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if not self._inner.done():
+                self._inner.set_exception(error)
+
+    def __repr__(self):
+        return f"<hflow.Future {self.what} {'done' if self.done() else 'pending'}>"
+
+
+class RemoteMethod:
+    """`group.method(*args)` blocks; `group.method.future(*args)` returns a Future."""
+
+    def __init__(self, group: "WorkerGroup", name: str, mode: str):
+        self.group, self.name, self.mode = group, name, mode
+
+    def __call__(self, *args, **kwargs):
+        return self.future(*args, **kwargs).result()
+
+    def future(self, *args, **kwargs) -> Future:
+        g = self.group
+        calls, ctx = scatter(self.mode, g.layout, to_cpu(args), to_cpu(kwargs))
+        tasks = {c.rank: ("call", g.group_id, self.name, c.args, c.kwargs, c.returns)
+                 for c in calls}
+        return g.cluster._issue(f"{g.worker_class.__name__}.{self.name}", tasks,
+                                lambda parts: gather(self.mode, g.layout, ctx, parts))
+
+    def __repr__(self):
+        return f"<{self.group.worker_class.__name__}.{self.name} @dispatch({self.mode!r}) " \
+               f"on ranks {self.group.ranks}>"
+
+
+class WorkerGroup:
+    """Handle to one worker object per rank of a mesh; its @dispatch methods are attributes."""
+
+    def __init__(self, cluster: "Cluster", group_id: int, worker_class: type, layout: Layout):
+        self.cluster, self.group_id = cluster, group_id
+        self.worker_class, self.layout = worker_class, layout
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.layout.ranks
+
+    def __getattr__(self, name: str) -> RemoteMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        fn = getattr(self.worker_class, name, None)
+        if fn is None:
+            raise AttributeError(f"{self.worker_class.__name__} has no method {name!r}")
+        mode = mode_of(fn)
+        if mode is None:
+            raise AttributeError(f"{self.worker_class.__name__}.{name} is not callable from the "
+                                 f"controller: decorate it with @hflow.dispatch('all'|'dp'|'one')")
+        return RemoteMethod(self, name, mode)
+
+    def __dir__(self):
+        return [n for n in dir(self.worker_class) if mode_of(getattr(self.worker_class, n, None))]
+
+    def __repr__(self):
+        return f"<WorkerGroup {self.worker_class.__name__} mesh {self.layout.shape} " \
+               f"{self.layout.dim_names} on ranks {self.ranks}>"
+
+
+class Cluster:
+    """The controller's view of all ranks. Made by `launch`; `main` receives it."""
+
+    def __init__(self, world_size: int, device: torch.device, server: Server):
+        self.world_size, self.device = world_size, device
+        self._server = server                  # rank 0's own executor (it is a worker too)
+        self._seq = [0] * world_size           # next task number, per destination rank
+        self._lock = threading.Lock()
+        self._pending: set[Future] = set()
+        self._failure: BaseException | None = None
+        self._group_ids = itertools.count()
+        self._closing = threading.Event()
+        self._aborting = threading.Lock()
+        if world_size > 1:
+            threading.Thread(target=self._heartbeat, name="hflow-heartbeat", daemon=True).start()
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def spawn(self, worker_class: type, *args, ranks=None, mesh_shape=None,
+              mesh_dim_names=("dp",), **kwargs) -> WorkerGroup:
+        """Construct `worker_class(mesh, *args, **kwargs)` on each rank of `ranks` (default:
+        all), where `mesh` is that rank's DeviceMesh: `ranks` reshaped to `mesh_shape`
+        (default 1-D) with dims `mesh_dim_names`. Blocks until every rank has built it."""
+        ranks = list(range(self.world_size)) if ranks is None else [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"spawn: ranks {ranks} must be distinct ranks of 0..{self.world_size - 1}")
+        shape = (len(ranks),) if mesh_shape is None else tuple(mesh_shape)
+        layout = Layout.of(ranks, shape, tuple(mesh_dim_names))
+        group_id = next(self._group_ids)
+        # every rank builds the mesh (process-group creation is collective over the world);
+        # only members get the class and arguments
+        tasks = {r: ("spawn", group_id, layout, self.device_type,
+                     *((worker_class, to_cpu(args), to_cpu(kwargs)) if r in ranks else (None, (), {})))
+                 for r in range(self.world_size)}
+        self._issue(f"spawn {worker_class.__name__}", tasks, lambda parts: None).result()
+        return WorkerGroup(self, group_id, worker_class, layout)
+
+    # ---- issuing calls ---------------------------------------------------------------------
+    def _issue(self, what: str, tasks: dict[int, tuple], combine) -> Future:
+        future = Future(what, list(tasks), combine)
+        sent, error = [], None
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            self._pending.add(future)
+            for rank, task in tasks.items():   # under the lock: one total order of calls
+                seq = self._seq[rank]
+                self._seq[rank] += 1
+                if rank == self._server.rank:
+                    # local: copy, so rank 0's worker never shares objects with the controller
+                    sent.append((rank, self._server.submit(seq, copy.deepcopy(task))))
+                    continue
+                try:
+                    sent.append((rank, transport.send(rank, ("task", seq, task))))
+                except Exception as e:   # e.g. the peer is already gone
+                    error = RemoteError(rank, what, f"could not reach rank {rank}: {e}")
+                    break
+        if error is not None:
+            self._fail(error)
+        # callbacks outside the lock: one of them may run right here if its reply is in
+        for rank, reply in sent:
+            reply.add_done_callback(lambda f, rank=rank: self._on_reply(future, rank, f))
+        return future
+
+    def _on_reply(self, future: Future, rank: int, reply) -> None:
+        # runs on an RPC thread (or rank 0's executor): never let an exception escape, or the
+        # call would never complete
+        try:
+            status, *body = reply.value()
+        except Exception as e:
+            return self._fail(RemoteError(rank, future.what, f"no reply from rank {rank}: {e}\n"
+                                          f"Either the rank died (see its output) or its result "
+                                          f"could not be sent (results must be picklable)."))
+        if status == "err":
+            return self._fail(RemoteError(body[0], future.what, body[1]))
+        try:
+            value = copy.deepcopy(body[0]) if rank == self._server.rank else body[0]
+        except Exception:
+            return self._fail(RemoteError(rank, future.what, "the result could not be copied "
+                                          "(results must be picklable):\n" + traceback.format_exc()))
+        future._part(rank, value)
+        if future.done():
+            with self._lock:
+                self._pending.discard(future)
+
+    def _fail(self, error: BaseException) -> None:
+        """The first failure ends the run: fail every pending call (its peers may be stuck in a
+        collective waiting for the rank that failed) and refuse new ones."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+            pending, self._pending = list(self._pending), set()
+        for future in pending:
+            future._fail(self._failure)
+
+    # ---- liveness --------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        interval = _env_float("HFLOW_HEARTBEAT_S", 2.0)
+        timeout = _env_float("HFLOW_PEER_TIMEOUT_S", 30.0)
+        while not self._closing.wait(interval):
+            pings = {}
+            for rank in range(self.world_size):
+                if rank != self._server.rank:
+                    try:
+                        pings[rank] = transport.send(rank, ("ping",), timeout_s=timeout)
+                    except Exception as e:
+                        pings[rank] = e
+            for rank, ping in pings.items():
+                try:
+                    if isinstance(ping, Exception):
+                        raise ping
+                    ping.wait()
+                except Exception as e:
+                    if self._closing.is_set():
+                        return
+                    self._fail(RemoteError(rank, "heartbeat", f"rank {rank} did not answer a "
+                                           f"heartbeat ({e}); it probably died, see its output"))
+                    # main gets the error from the call it waits on; if it is not waiting on
+                    # any, end the run anyway after a grace period
+                    threading.Timer(_env_float("HFLOW_ABORT_GRACE_S", 10.0), self._abort,
+                                    (f"rank {rank} is unreachable",)).start()
+                    return
+
+    # ---- the end ---------------------------------------------------------------------------
+    def _close(self) -> None:
+        """Normal end: every rank finishes its queued calls, then everyone leaves RPC."""
+        if self._failure is not None:
+            raise RuntimeError("a worker call failed earlier in the run (caught by main?); "
+                               "ending the run as failed") from self._failure
+        stop = {r: ("stop",) for r in range(self.world_size)}
+        self._issue("shutdown", stop, lambda parts: None).result()
+        self._closing.set()
+
+    def _abort(self, reason: str) -> None:
+        """Failed end: tell every rank to exit non-zero, then exit non-zero. Never returns
+        (a second caller waits here while the first one ends the process)."""
+        self._aborting.acquire()
+        self._closing.set()
+        _log(f"hflow: ending the run on all {self.world_size} ranks: {reason}")
+        acks = []
+        for rank in range(self.world_size):
+            if rank != self._server.rank:
+                try:
+                    acks.append(transport.send(rank, ("abort", reason), timeout_s=5))
+                except Exception:
+                    pass
+        for ack in acks:
+            try:
+                ack.wait()
+            except Exception:
+                pass   # that rank is already gone
+        _hard_exit(1)
+
+
+def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
+    """Run `main(cluster, cfg)` on rank 0 with every other rank serving it. Call it on every
+    rank (under torchrun; without it, runs as a single rank). Returns main's result on rank 0
+    and None on the others; any failure ends every rank with exit status 1."""
+    global _device
+    _default_env()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    wanted = os.environ.get("HFLOW_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+    if wanted == "cuda":
+        _device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(_device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        _device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend)
+    server = Server(rank, _device)
+    transport.start(rank, world_size, server.handle)
+
+    if rank != 0:
+        server.serve(_env_float("HFLOW_CONTROLLER_TIMEOUT_S", 60.0))
+        _leave()
+        return None
+
+    cluster = Cluster(world_size, _device, server)
+    try:
+        try:
+            result = main(cluster, cfg)
+        except SystemExit as e:   # sys.exit(0) in main is a normal end
+            if e.code not in (None, 0):
+                raise
+            result = None
+        cluster._close()
+    except BaseException as e:   # KeyboardInterrupt too: every rank must go
+        traceback.print_exc()
+        cluster._abort(f"the controller failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    _leave()
+    return result
+
+
+def _leave() -> None:
+    try:
+        transport.stop(graceful=True)
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        _hard_exit(1)
+
+
+def _default_env() -> None:
+    """Outside torchrun, be a world of one."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def current_device() -> torch.device:
+    """This rank's device (cuda:LOCAL_RANK on GPUs, cpu otherwise), for worker code."""
+    return _device if _device is not None else torch.device("cpu")
+
+
+# ---- meshes made inside worker methods ---------------------------------------------------------
+_local_meshes: dict[tuple, DeviceMesh] = {}
+_local_group_counts: dict[tuple, int] = {}
+_names_lock = threading.Lock()
+
+
+def make_mesh(rank_array, dim_names) -> DeviceMesh:
+    """A DeviceMesh over `rank_array` (nested list or tensor of global ranks, 1-D or n-D)
+    built by those ranks alone: call it inside a worker method dispatched to exactly them
+    (e.g. an actor building its tp_g x dp_g generation mesh over its own ranks) while other
+    ranks do something else. Same arguments again return the same mesh."""
+    array = torch.as_tensor(rank_array, dtype=torch.int64)
+    dim_names = tuple(dim_names)
+    if array.dim() != len(dim_names):
+        raise ValueError(f"make_mesh: {array.dim()}-D rank array but dim names {dim_names}")
+    key = (tuple(array.flatten().tolist()), tuple(array.shape), dim_names)
+    if key in _local_meshes:
+        return _local_meshes[key]
+    me = dist.get_rank()
+    where = (array == me).nonzero()
+    if len(where) != 1:
+        raise ValueError(f"make_mesh: rank {me} must appear once in {array.tolist()}")
+    coordinate = where[0].tolist()
+    groups = []
+    for d in range(array.dim()):   # every member creates its groups in the same dim order
+        index = list(coordinate)
+        index[d] = slice(None)
+        groups.append(_local_group(array[tuple(index)].tolist()))
+    mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0],
+                                 current_device().type, mesh=array, mesh_dim_names=dim_names)
+    _local_meshes[key] = mesh
+    return mesh
+
+
+def _local_group(members: list[int]):
+    """new_group(members) that only the members call.
+
+    torch names such a group by hashing its ranks with the count of groups this process
+    belongs to — and that count differs between ranks that belong to different groups, so the
+    members would look for each other under different names and hang. We name it by its ranks
+    and how many groups over exactly these ranks were made before: every member agrees.
+    """
+    key = tuple(members)
+    with _names_lock:
+        n = _local_group_counts.get(key, 0)
+        _local_group_counts[key] = n + 1
+        name = f"hflow_{'_'.join(map(str, key))}_{n}"
+        original = c10d._hash_ranks_to_str
+        c10d._hash_ranks_to_str = lambda ranks: name
+        try:
+            return dist.new_group(members, use_local_synchronization=True)
+        finally:
+            c10d._hash_ranks_to_str = original

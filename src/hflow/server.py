@@ -1,0 +1,148 @@
+"""What every rank runs to serve the controller: one executor thread, calls in issue order.
+
+RPC hands incoming messages to a pool of threads, so two calls sent to one rank can start in
+either order — and two ranks that start two collectives in different orders deadlock. So the
+controller numbers the tasks it sends to each rank (0, 1, 2, ...) and this server runs them
+strictly in that order on a single thread, whatever order they arrive in. Since every rank
+runs its tasks in the order the one controller issued them, collectives inside worker methods
+(and process-group creation, which is collective) always line up across ranks.
+
+Two messages skip the queue and are answered on the RPC thread at once: `ping` (the
+controller's heartbeat, which also tells this rank the controller is alive) and `abort`
+(the run failed somewhere: exit non-zero now, even if the executor is stuck in a collective).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from .batch import Batch
+
+
+class Server:
+    def __init__(self, rank: int, device: torch.device):
+        self.rank, self.device = rank, device
+        self.workers: dict[int, object] = {}         # group id -> worker object on this rank
+        self._meshes: dict[tuple, DeviceMesh] = {}   # (layout, device type) -> mesh
+        self._queue: dict[int, tuple] = {}           # seq -> (task, future)
+        self._next_seq = 0
+        self._cv = threading.Condition()
+        self.stopped = threading.Event()
+        self.last_ping = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name=f"hflow-rank{rank}", daemon=True)
+        self._thread.start()
+
+    # ---- entry points ----------------------------------------------------------------------
+    def handle(self, message) -> torch.futures.Future:
+        """Called on an RPC thread for every message; never blocks."""
+        kind = message[0]
+        if kind == "task":
+            return self.submit(message[1], message[2])
+        future = torch.futures.Future()
+        if kind == "ping":
+            self.last_ping = time.monotonic()
+            future.set_result("pong")
+        elif kind == "abort":
+            _log(f"hflow rank {self.rank}: stopped by the controller: {message[1]}")
+            future.set_result(None)
+            # exit a moment later, so that the reply reaches the controller first
+            threading.Timer(0.2, _hard_exit).start()
+        else:
+            future.set_exception(ValueError(f"unknown message {kind!r}"))
+        return future
+
+    def submit(self, seq: int, task: tuple) -> torch.futures.Future:
+        future = torch.futures.Future()
+        with self._cv:
+            self._queue[seq] = (task, future)
+            self._cv.notify()
+        return future
+
+    def serve(self, controller_timeout_s: float) -> None:
+        """Block until the controller says stop. Exit non-zero if it goes silent (died)."""
+        self.last_ping = time.monotonic()
+        while not self.stopped.wait(timeout=1.0):
+            silent = time.monotonic() - self.last_ping
+            if silent > controller_timeout_s:
+                _log(f"hflow rank {self.rank}: no heartbeat from the controller (rank 0) for "
+                     f"{silent:.0f} s; it probably died. Exiting.")
+                _hard_exit()
+
+    # ---- the executor ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)   # the current device is per thread
+        while True:
+            with self._cv:
+                while self._next_seq not in self._queue:
+                    self._cv.wait()
+                task, future = self._queue.pop(self._next_seq)
+                self._next_seq += 1
+            try:
+                reply = ("ok", self._run(task))
+            except BaseException:
+                reply = ("err", self.rank, traceback.format_exc())
+            if task[0] == "stop":
+                self.stopped.set()
+            future.set_result(reply)
+            if task[0] == "stop":
+                return
+
+    def _run(self, task: tuple):
+        op = task[0]
+        if op == "call":
+            _, group_id, method, args, kwargs, returns = task
+            out = getattr(self.workers[group_id], method)(*args, **kwargs)
+            return to_cpu(out) if returns else None
+        if op == "spawn":
+            # sent to EVERY rank: creating the mesh's process groups is collective
+            _, group_id, layout, device_type, cls, args, kwargs = task
+            mesh = self._mesh(layout, device_type)
+            if cls is not None:
+                self.workers[group_id] = cls(mesh, *args, **kwargs)
+            return None
+        if op == "stop":
+            return None
+        raise ValueError(f"unknown task {op!r}")
+
+    def _mesh(self, layout, device_type: str) -> DeviceMesh:
+        """One DeviceMesh (one set of process groups) per distinct layout: colocated groups
+        with the same layout share it. Every rank sees every spawn, so every rank makes the
+        same create-or-reuse decision and the collective group creation lines up."""
+        key = (layout, device_type)
+        if key not in self._meshes:
+            self._meshes[key] = DeviceMesh(device_type, layout.array,
+                                           mesh_dim_names=layout.dim_names)
+        return self._meshes[key]
+
+
+def to_cpu(x):
+    """Results cross RPC as CPU tensors (detached)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, Batch):
+        return Batch({k: to_cpu(v) if isinstance(v, torch.Tensor) else v for k, v in x.items()},
+                     to_cpu(x.meta))
+    if isinstance(x, (list, tuple)) and any(isinstance(v, (torch.Tensor, Batch)) for v in x):
+        items = [to_cpu(v) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    if isinstance(x, dict):
+        return {k: to_cpu(v) for k, v in x.items()}
+    return x
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _hard_exit(code: int = 1) -> None:
+    """Exit now, without joining threads that may be stuck in a collective or in RPC."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
