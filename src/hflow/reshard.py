@@ -1,0 +1,188 @@
+"""Train -> generate resharding: FSDP2 weights into a tensor-parallel engine, layer by layer.
+
+Training keeps every parameter as a DTensor sharded over the N ranks of a 1-D mesh: `Shard(0)`,
+or `Shard(1)` for the row-parallel `o_proj`/`down_proj` (hflow/workers/fsdp.py). Generation
+uses a 2-D mesh (tp, dp) over the same ranks, tp_g * dp_g = N, laid out as
+
+    generation_mesh[t][j] = training_ranks[t * dp_g + j]
+
+so the tensor-parallel groups (fixed j) are strided and the gather groups (fixed t) are
+dp_g consecutive training shards. Training shard i = t * dp_g + j of a dim that divides by N is
+then exactly block j of tp-block t: the local shard *is* a `(Shard(k), Shard(k))` DTensor on
+the generation mesh, with no data movement. Redistributing it to `(Shard(d), Replicate())`
+
+    d = 0  column-parallel weights and biases (q/k/v/gate/up): split by output rows
+    d = 1  row-parallel weights (o_proj/down_proj): split by input columns
+    -      norms, embeddings, lm_head: `(Replicate(), Replicate())`
+
+all-gathers only inside the dp_g-rank groups when d == k — each rank receives (dp_g - 1) / N of
+the tensor, 1/tp_g of a full all-gather — and is a no-op for tp_g = N. When d != k (a row-parallel
+weight FSDP kept on dim 0), the rows are gathered in the dp group and then traded for columns in
+one all-to-all across the tp group. A dim
+that does not divide by N is chunked differently by nested and flat sharding (torch.chunk
+rounds up), so such a tensor is gathered in full and sliced.
+
+Parameters are produced one at a time, in module order (layer by layer): the extra memory
+in flight is one tensor's generation shard plus its communication buffers.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+COLUMN_PARALLEL = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+
+
+def tensor_parallel_dim(name: str) -> int | None:
+    """The dim the engine's tensor parallelism splits `name` on; None when replicated."""
+    if any(f".{p}" in name for p in COLUMN_PARALLEL):
+        return 0
+    if name.endswith(ROW_PARALLEL):
+        return 1
+    return None
+
+
+def generation_layout(ranks: Sequence[int], tp_size: int) -> list[list[int]]:
+    """The (tp, dp) rank array of the generation mesh over the training ranks, in training order."""
+    ranks = list(ranks)
+    if tp_size < 1 or len(ranks) % tp_size:
+        raise ValueError(f"--rollout.tp-size {tp_size} does not divide the actor's {len(ranks)} ranks")
+    dp_size = len(ranks) // tp_size
+    return [ranks[t * dp_size:(t + 1) * dp_size] for t in range(tp_size)]
+
+
+def generation_mesh(train_mesh: DeviceMesh, tp_size: int,
+                    make_mesh: Callable[[list[list[int]], tuple[str, str]], DeviceMesh] | None = None) -> DeviceMesh:
+    """Build the (tp, dp) mesh over the training mesh's ranks. Creating process groups is
+    collective: `make_mesh` (e.g. hflow.cluster.make_mesh) must be called on the right ranks;
+    the default builds the DeviceMesh directly, which every rank of the world must call."""
+    layout = generation_layout(train_mesh.mesh.flatten().tolist(), tp_size)
+    if make_mesh is not None:
+        return make_mesh(layout, ("tp", "dp"))
+    return DeviceMesh(train_mesh.device_type, torch.tensor(layout), mesh_dim_names=("tp", "dp"))
+
+
+def generation_shard(param: DTensor, gen_mesh: DeviceMesh, dim: int | None,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's generation shard of one FSDP2 parameter: chunk t (its tp index) of dim `dim`,
+    or the full tensor when `dim` is None. May alias the training storage: copy it."""
+    device = torch.device("cpu") if gen_mesh.device_type == "cpu" else \
+        torch.device(gen_mesh.device_type, torch.accelerator.current_device_index())
+    local = param.to_local().to(device=device, dtype=dtype or param.dtype)  # cast before sending
+    (train_placement,) = param.placements
+    k, world = train_placement.dim, gen_mesh.size()
+    tp = gen_mesh.size(0)
+    if dim is not None and param.shape[dim] % tp:
+        raise ValueError(f"tensor-parallel size {tp} does not divide dim {dim} of a {tuple(param.shape)} weight")
+    if dim is not None and param.shape[k] % world == 0:
+        view = DTensor.from_local(local, gen_mesh, (Shard(k), Shard(k)), run_check=False,
+                                  shape=param.shape, stride=param.stride())
+        if dim == k or tp == 1 or (k, dim, param.ndim) != (0, 1, 2):
+            return view.redistribute(gen_mesh, (Shard(dim), Replicate())).to_local()
+        return _rows_to_columns(view.redistribute(gen_mesh, (Shard(0), Replicate())).to_local(), gen_mesh)
+    # replicated, or not divisible by N: one all-gather over the training mesh (then slice)
+    full = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride()).full_tensor()
+    return full if dim is None else full.chunk(tp, dim)[gen_mesh.get_local_rank(0)]
+
+
+def _rows_to_columns(rows: torch.Tensor, gen_mesh: DeviceMesh) -> torch.Tensor:
+    """W[rows_t, :] on tp rank t -> W[:, cols_t], by one all-to-all in the tp group: rank t sends
+    its block (rows_t, cols_u) to rank u and stacks what it receives in t order. DTensor would
+    do this as all-to-all on NCCL but falls back to a full all-gather on gloo."""
+    tp = gen_mesh.size(0)
+    send = torch.cat(rows.chunk(tp, dim=1), dim=0)  # [S, C / tp]: block u holds columns u
+    received = torch.empty_like(send)
+    torch.distributed.all_to_all_single(received, send, group=gen_mesh.get_group(0))
+    return received
+
+
+def generation_weights(model: nn.Module, gen_mesh: DeviceMesh, dtype: torch.dtype | None = None,
+                       tp_dim: Callable[[str], int | None] = tensor_parallel_dim
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, this rank's generation shard) for every parameter of an FSDP2
+    model, one at a time. Every rank of the mesh must consume the whole iterator (collectives)."""
+    if hasattr(model, "reshard"):
+        model.reshard()  # a root kept unsharded after forward would hold plain tensors
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            yield name, generation_shard(param, gen_mesh, tp_dim(name), dtype)
+
+
+# ---- measuring: bytes received and bytes allocated ---------------------------------------------
+
+class CollectiveBytes(TorchDispatchMode):
+    """Count the bytes this rank receives in functional collectives (what DTensor issues):
+    an all-gather over g ranks receives (g - 1) input-sized pieces, an all-to-all all but its
+    own 1/g of the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.received = 0
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        if name == "c10d::alltoall_base_":
+            self.calls["all_to_all_single"] += 1
+            group_size = torch.distributed.ProcessGroup.unbox(args[2]).size()
+            self.received += args[0].nbytes - args[0].nbytes // group_size
+        elif name.startswith("_c10d_functional::"):
+            op = name.split("::")[1]
+            self.calls[op] += 1
+            if op == "all_gather_into_tensor":
+                self.received += args[0].nbytes * (args[1] - 1)
+            elif op == "all_to_all_single":
+                group = torch.distributed.distributed_c10d._resolve_process_group(args[3])
+                self.received += out.nbytes - out.nbytes // group.size()
+            elif op in ("reduce_scatter_tensor", "all_reduce", "broadcast"):
+                self.received += args[0].nbytes  # upper bound; not used by resharding
+        return out
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """Bytes of the tensor storages that ops create inside the block and that are still alive:
+    `live` now, `peak` at most. Storages that existed before the block (inputs seen first) count
+    0; a storage stops counting when it is freed, in whatever thread (gloo frees its buffers in
+    its own). What ops allocate internally and free before returning is not seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._counted: dict[int, int] = {}  # storage address -> bytes counted for it
+
+    def _see(self, tensor, new: bool) -> None:
+        if type(tensor) is not torch.Tensor or tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address in self._counted or storage.nbytes() == 0:
+            return
+        self._counted[address] = storage.nbytes() if new else 0
+        self.live += self._counted[address]
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._freed, address)
+
+    def _freed(self, address: int) -> None:
+        self.live -= self._counted.pop(address, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                self._see(t, new=False)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._see(t, new=True)
+        return out
