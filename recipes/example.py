@@ -114,8 +114,9 @@ def main(cluster: hflow.Cluster, cfg: Config):
                   f"{batch['reward'].mean():+.3f}", flush=True)
     mu = learner.policy()[0]
     seconds = time.perf_counter() - start
-    print(f"example: {cfg.steps} steps in {seconds:.2f} s ({1e3 * seconds / cfg.steps:.1f} ms/step, "
-          f"7 dispatched calls each); mu = {mu:.3f}, target {cfg.target}", flush=True)
+    print(f"example: {cfg.steps} steps in {seconds:.2f} s "
+          f"({1e3 * seconds / cfg.steps:.1f} ms/step, 7 dispatched calls each); "
+          f"mu = {mu:.3f}, target {cfg.target}", flush=True)
     if abs(mu - cfg.target) > 0.5:
         raise RuntimeError(f"mu = {mu:.3f} did not reach the target {cfg.target}")
     print("example: done", flush=True)

@@ -42,7 +42,10 @@ def torchrun(script: str, nproc: int, args=(), timeout: float = 300, tmp_path=No
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), script, *map(str, args)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # HFLOW_DEVICE=cpu: these are CPU ranks even on a host with a GPU (hflow.launch would
+    # otherwise put rank i on cuda:i)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "HFLOW_DEVICE": "cpu", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env)
     try:
@@ -114,7 +117,8 @@ def run_ranks(script: str, nproc: int, args=(), timeout: float = 300, tmp_path=N
     procs, files = [], []
     start = time.monotonic()
     for rank in range(nproc):
-        rank_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {}),
+        rank_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "HFLOW_DEVICE": "cpu", **(env or {}),
                     "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                     "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port)}

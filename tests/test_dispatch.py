@@ -183,7 +183,8 @@ def test_dispatch_modes_futures_and_ordering(tmp_path, nproc):
 def test_bench_dispatch_smoke(tmp_path):
     """The benchmark script runs and reports both figures (tiny sizes; figures not checked)."""
     import os
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "bench_dispatch.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "bench_dispatch.py")
     run = run_ranks(script, 2, args=["--mib", "2", "--iters", "1", "--calls", "20"],
                     tmp_path=tmp_path, timeout=300).check()
     assert "empty call to a 2-rank group" in run.outputs[0], run.output

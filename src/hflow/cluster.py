@@ -140,7 +140,8 @@ class WorkerGroup:
         mode = mode_of(fn)
         if mode is None:
             raise AttributeError(f"{self.worker_class.__name__}.{name} is not callable from the "
-                                 f"controller: decorate it with @hflow.dispatch('all'|'dp'|'one')")
+                                 f"controller: decorate it with @dispatch('all'|'dp'|'one') "
+                                 f"(from hflow.dispatch import dispatch)")
         return RemoteMethod(self, name, mode)
 
     def __dir__(self):
@@ -178,14 +179,16 @@ class Cluster:
         (default 1-D) with dims `mesh_dim_names`. Blocks until every rank has built it."""
         ranks = list(range(self.world_size)) if ranks is None else [int(r) for r in ranks]
         if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
-            raise ValueError(f"spawn: ranks {ranks} must be distinct ranks of 0..{self.world_size - 1}")
+            raise ValueError(f"spawn: ranks {ranks} must be distinct ranks of "
+                             f"0..{self.world_size - 1}")
         shape = (len(ranks),) if mesh_shape is None else tuple(mesh_shape)
         layout = Layout.of(ranks, shape, tuple(mesh_dim_names))
         group_id = next(self._group_ids)
         # every rank builds the mesh (process-group creation is collective over the world);
         # only members get the class and arguments
+        member = (worker_class, to_cpu(args), to_cpu(kwargs))
         tasks = {r: ("spawn", group_id, layout, self.device_type,
-                     *((worker_class, to_cpu(args), to_cpu(kwargs)) if r in ranks else (None, (), {})))
+                     *(member if r in ranks else (None, (), {})))
                  for r in range(self.world_size)}
         self._issue(f"spawn {worker_class.__name__}", tasks, lambda parts: None).result()
         return WorkerGroup(self, group_id, worker_class, layout)
@@ -208,7 +211,9 @@ class Cluster:
                 try:
                     sent.append((rank, transport.send(rank, ("task", seq, task))))
                 except Exception as e:   # e.g. the peer is already gone
-                    error = RemoteError(rank, what, f"could not reach rank {rank}: {e}")
+                    error = RemoteError(rank, what, f"could not send the call to rank {rank}: "
+                                        f"{e}\n(arguments must be picklable, and worker classes "
+                                        f"defined at module level)")
                     break
         if error is not None:
             self._fail(error)
@@ -231,8 +236,9 @@ class Cluster:
         try:
             value = copy.deepcopy(body[0]) if rank == self._server.rank else body[0]
         except Exception:
-            return self._fail(RemoteError(rank, future.what, "the result could not be copied "
-                                          "(results must be picklable):\n" + traceback.format_exc()))
+            return self._fail(RemoteError(rank, future.what,
+                                          "the result could not be copied (results must be "
+                                          "picklable):\n" + traceback.format_exc()))
         future._part(rank, value)
         if future.done():
             with self._lock:
@@ -317,6 +323,10 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     wanted = os.environ.get("HFLOW_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
     if wanted == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK {local_rank} but this host has "
+                               f"{torch.cuda.device_count()} CUDA device(s): start one process "
+                               f"per GPU (torchrun --nproc-per-node), or set HFLOW_DEVICE=cpu")
         _device = torch.device("cuda", local_rank)
         torch.cuda.set_device(_device)
         backend = "cpu:gloo,cuda:nccl"
@@ -342,7 +352,8 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
         cluster._close()
     except BaseException as e:   # KeyboardInterrupt too: every rank must go
         traceback.print_exc()
-        cluster._abort(f"the controller failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        first_line = (str(e).splitlines() or [""])[0]
+        cluster._abort(f"the controller failed: {type(e).__name__}: {first_line}")
     _leave()
     return result
 
