@@ -1,0 +1,50 @@
+"""python -m hflow.engine --model DIR --prompt "..."  — print completions of a prompt.
+
+Uses the tokenizer saved in DIR; greedy unless --temperature > 0.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hflow.engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a Hugging Face model directory (with its tokenizer)")
+    ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--n", type=int, default=1, help="completions per prompt")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from hflow.engine import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    llm = LLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    prompts = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in args.prompt]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_tokens = 0
+    for out in outs:
+        for completion in out.outputs:
+            num_tokens += len(completion.token_ids)
+            print(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
+    print(f"[{num_tokens} tokens in {elapsed:.2f} s]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""LLM: the engine's front door (vLLM-shaped), with weights that can be swapped in place."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from hflow.engine.block_manager import BlockManager
+from hflow.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from hflow.engine.model_runner import ModelRunner
+from hflow.engine.models import build_model
+from hflow.engine.models.layers import TPInfo
+from hflow.engine.scheduler import Scheduler
+from hflow.engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, sample_rng
+
+
+class LLM:
+    """Paged-KV generation engine for Llama-family models.
+
+        LLM.from_pretrained(path, dtype=torch.float32, **engine_opts)   # a Hugging Face directory
+        LLM(hf_model)                                # an in-memory transformers model (copied)
+        LLM(state_dict, config=hf_config)            # Hugging Face names -> tensors
+        LLM(hf_config) / LLM.from_config(hf_config)  # uninitialised; fill with load_weights()
+
+    Engine options are the fields of EngineConfig (block_size, num_kv_blocks or
+    kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
+    enable_prefix_caching, tp_group); `device` and `dtype` place the weights and the cache.
+    """
+
+    def __init__(self, model, config=None, *, dtype: torch.dtype | None = None, device=None,
+                 eos_token_ids: list[int] | None = None, **engine_opts):
+        state_dict = None
+        if isinstance(model, nn.Module):
+            hf_config = model.config
+            ref = next(model.parameters())
+            dtype, device = dtype or ref.dtype, device or ref.device
+            state_dict = model.state_dict()
+            gen = getattr(model, "generation_config", None)
+            if eos_token_ids is None and gen is not None and gen.eos_token_id is not None:
+                eos_token_ids = gen.eos_token_id
+        elif isinstance(model, dict):
+            if config is None:
+                raise ValueError("LLM(state_dict) needs config=<the transformers config of the model>")
+            hf_config, state_dict = config, model
+        else:
+            hf_config = model
+        self._build(hf_config, dtype or torch.float32, device or "cpu", eos_token_ids, EngineConfig(**engine_opts))
+        if state_dict is not None:
+            self.load_weights(state_dict.items())
+
+    @classmethod
+    def from_config(cls, hf_config, dtype: torch.dtype = torch.float32, device=None, tp_group=None,
+                    **engine_opts) -> "LLM":
+        """The model with uninitialised weights (no copy of anything): fill with load_weights()."""
+        return cls(hf_config, dtype=dtype, device=device, tp_group=tp_group, **engine_opts)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device=None, **engine_opts) -> "LLM":
+        """Load a Hugging Face directory: config.json and *.safetensors (sharded or not)."""
+        from safetensors import safe_open
+        from transformers import AutoConfig, GenerationConfig
+
+        hf_config = AutoConfig.from_pretrained(path)
+        eos = None
+        if os.path.exists(os.path.join(path, "generation_config.json")):
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        llm = cls(hf_config, dtype=dtype, device=device, eos_token_ids=eos, **engine_opts)
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            files = [os.path.join(path, f) for f in files]
+        else:
+            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+
+        def tensors():  # one tensor in memory at a time
+            for file in files:
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+        llm.load_weights(tensors())
+        llm.path = path
+        return llm
+
+    def _build(self, hf_config, dtype, device, eos_token_ids, cfg: EngineConfig) -> None:
+        self.hf_config, self.engine_config, self.path = hf_config, cfg, None
+        self.max_model_len = cfg.max_model_len or hf_config.max_position_embeddings
+        if eos_token_ids is None:
+            eos_token_ids = getattr(hf_config, "eos_token_id", None)
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.tp = TPInfo(cfg.tp_group)
+        self.model = build_model(hf_config, self.max_model_len, self.tp, dtype, torch.device(device))
+        per_block = ModelRunner.bytes_per_block(self.model, cfg.block_size)
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif cfg.kv_cache_bytes is not None:
+            num_blocks = cfg.kv_cache_bytes // per_block
+        else:
+            wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+            num_blocks = min(wanted, DEFAULT_KV_CACHE_BYTES // per_block)
+        if num_blocks < 1:
+            raise ValueError(f"the KV budget holds no block of {per_block} bytes")
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+        self._weights_freed = False
+        self._next_seq_id = 0
+
+    # ---- weights and memory ----
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face-named tensors into the existing parameter storage (no reallocation).
+
+        With tensor parallelism each tensor may be the full one (this rank slices its part) or
+        this rank's shard already: a contiguous chunk of dim 0 for q/k/v/gate/up (weights and
+        biases), of dim 1 for o_proj/down_proj weights. Norms, embeddings, lm_head and
+        row-parallel biases are replicated: always the full tensor. Returns the names loaded.
+        """
+        targets, loaded = self.model.weight_targets(), set()
+        for name, tensor in named_tensors:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name not in targets:
+                raise KeyError(f"load_weights: unexpected weight {name!r} for model_type "
+                               f"{self.hf_config.model_type!r}")
+            target, shard_dim = targets[name]
+            self._copy(name, target, tensor, shard_dim)
+            loaded.add(name)
+        if self.block_manager.num_used_blocks == 0:
+            self.block_manager.reset_prefix_cache()  # cached KV was computed by the old weights
+        return loaded
+
+    def _copy(self, name, target, tensor, shard_dim) -> None:
+        tp = self.tp
+        if tuple(tensor.shape) == tuple(target.shape):
+            target.copy_(tensor)
+            return
+        if shard_dim is not None and tp.size > 1:
+            full = list(target.shape)
+            full[shard_dim] *= tp.size
+            if list(tensor.shape) == full:
+                n = target.shape[shard_dim]
+                target.copy_(tensor.narrow(shard_dim, tp.rank * n, n))
+                return
+        expected = f"{tuple(target.shape)}"
+        if shard_dim is not None and tp.size > 1:
+            expected += f" (this rank's shard) or {tuple(full)} (full)"
+        raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {expected}")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and also the weights' memory (level 2).
+
+        After level 2 the parameters keep their identity and shape but hold no storage; the
+        caller loads weights again after wake_up() (vLLM's semantics).
+        """
+        self.runner.free_kv_cache()
+        self.block_manager.reset_prefix_cache()
+        if level >= 2 and not self._weights_freed:
+            for p in self._unique_parameters():
+                p.data.untyped_storage().resize_(0)
+            self._weights_freed = True
+
+    def wake_up(self) -> None:
+        """Restore what sleep() freed (the weights' storage comes back uninitialised)."""
+        if self._weights_freed:
+            for p in self._unique_parameters():
+                p.data.untyped_storage().resize_(p.numel() * p.element_size())
+            self._weights_freed = False
+        self.runner.allocate_kv_cache()
+
+    def _unique_parameters(self):
+        return self.model.parameters()  # deduplicated: tied embeddings appear once
+
+    # ---- generation ----
+
+    def generate(self, prompt_token_ids, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete each prompt (a list of token ids) `params.n` times; outputs in prompt order."""
+        if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            prompt_token_ids = [prompt_token_ids]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompt_token_ids)
+        if len(sampling_params) != len(prompt_token_ids):
+            raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompt_token_ids)} prompts")
+        if self.runner.kv_cache is None or self._weights_freed:
+            raise RuntimeError("the engine is asleep: call wake_up() before generate()")
+        self.block_manager.peak_used_blocks = self.block_manager.num_used_blocks
+        self.scheduler.num_preemptions = 0
+        requests = [self._add_request(i, list(p), sp) for i, (p, sp) in enumerate(zip(prompt_token_ids, sampling_params))]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=sum(len(r) for r in requests), desc="generating", unit="seq")
+        while not self.scheduler.is_finished():
+            seqs, is_prefill = self.scheduler.schedule()
+            seqs, tokens, logprobs = self.runner.step(seqs, is_prefill)
+            for seq, token, logprob in zip(seqs, tokens, logprobs):
+                seq.append(token, logprob)
+            done = self.scheduler.finish(seqs)
+            if bar is not None and done:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return [RequestOutput(seqs[0].request_id, seqs[0].token_ids[:seqs[0].num_prompt_tokens],
+                              [CompletionOutput(s.sample_index, s.completion_token_ids, s.logprobs, s.finish_reason)
+                               for s in seqs])
+                for seqs in requests]
+
+    def _add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> list[Sequence]:
+        vocab = self.hf_config.vocab_size
+        if not prompt:
+            raise ValueError(f"prompt {request_id} is empty")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt {request_id} has token ids outside [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt {request_id} has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
+        longest = min(len(prompt) + params.max_tokens, self.max_model_len)
+        bm = self.block_manager
+        if -(-longest // bm.block_size) > bm.num_blocks:
+            raise ValueError(f"a sequence of {longest} tokens needs more than the {bm.num_blocks} KV blocks "
+                             "of the budget: raise num_kv_blocks / kv_cache_bytes")
+        stop = set(self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
+        if params.ignore_eos:
+            stop -= set(self.eos_token_ids)
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+        seqs = []
+        for j in range(params.n):
+            seq = Sequence(seq_id=self._next_seq_id, request_id=request_id, sample_index=j,
+                           token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
+                           stop_ids=frozenset(stop), max_len=self.max_model_len, rng=sample_rng(seed, prompt, j))
+            self._next_seq_id += 1
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        return seqs
+
+    def stats(self) -> dict:
+        """KV usage of the last generate() call: blocks in the budget, peak blocks in use,
+        preemptions."""
+        bm = self.block_manager
+        return {"num_kv_blocks": bm.num_blocks, "block_size": bm.block_size,
+                "peak_used_blocks": bm.peak_used_blocks, "num_preemptions": self.scheduler.num_preemptions}

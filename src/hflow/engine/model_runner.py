@@ -1,0 +1,111 @@
+"""Runs one scheduled step: packs the batch, builds attention metadata, runs the model, samples.
+
+Owns the KV cache: one tensor [2, layers, num_blocks + 1, block_size, kv_heads, head_dim]
+(K and V of every layer; the extra block is scratch, see attention.py), zero-filled so that
+masked-out padding never reads NaN.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hflow.engine.attention import AttentionMetadata, DecodeBucket, PrefillSeq, plan_buckets
+from hflow.engine.models.llama import CausalLM
+from hflow.engine.sampler import sample
+from hflow.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
+        self.model = model
+        self.num_blocks, self.block_size = num_blocks, block_size
+        attn = model.layers[0].self_attn
+        self.kv_shape = (2, len(model.layers), num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
+        self.scratch_block = num_blocks
+        self.kv_cache: torch.Tensor | None = None
+        self.allocate_kv_cache()
+
+    @staticmethod
+    def bytes_per_block(model: CausalLM, block_size: int) -> int:
+        attn = model.layers[0].self_attn
+        elem = model.embed_tokens.weight.element_size()
+        return 2 * len(model.layers) * block_size * attn.num_kv_heads * attn.head_dim * elem
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def allocate_kv_cache(self) -> None:
+        if self.kv_cache is None:
+            w = self.model.embed_tokens.weight
+            self.kv_cache = torch.zeros(self.kv_shape, dtype=w.dtype, device=w.device)
+            self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.kv_shape[1])]
+
+    def free_kv_cache(self) -> None:
+        self.kv_cache, self.kv_caches = None, []
+
+    # ---- batch preparation ----
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prepare_prefill(self, seqs: list[Sequence]):
+        ids, positions, slots, per_seq, last_rows = [], [], [], [], []
+        scratch_slot = self.scratch_block * self.block_size
+        for seq in seqs:
+            start = min(seq.num_cached_tokens, len(seq) - 1)  # the last token is always recomputed
+            per_seq.append(PrefillSeq(
+                q_start=len(ids), q_len=len(seq) - start, ctx_len=len(seq),
+                block_index=None if start == 0 else torch.tensor(seq.block_table, device=self.device)))
+            ids.extend(seq.token_ids[start:])
+            positions.extend(range(start, len(seq)))
+            # a recomputed token whose KV is already cached is written to the scratch block
+            slots.extend(scratch_slot if p < seq.num_cached_tokens else self._slot(seq, p)
+                         for p in range(start, len(seq)))
+            last_rows.append(len(ids) - 1)
+        meta = AttentionMetadata(slot_mapping=self._long(slots), prefill=per_seq)
+        return self._long(ids), self._long(positions), meta, self._long(last_rows)
+
+    def _prepare_decode(self, seqs: list[Sequence]):
+        """`seqs` sorted by length; buckets are contiguous runs of them."""
+        bs = self.block_size
+        blocks_per_row = [-(-len(s) // bs) for s in seqs]
+        width = blocks_per_row[-1]
+        table = self._long([s.block_table + [self.scratch_block] * (width - len(s.block_table)) for s in seqs])
+        lens = self._long([len(s) for s in seqs])
+        buckets = []
+        for start, end in plan_buckets(blocks_per_row, bs):
+            nb = blocks_per_row[end - 1]
+            buckets.append(DecodeBucket(start, end, table[start:end, :nb].reshape(-1), lens[start:end], nb * bs))
+        positions = lens - 1
+        slots = table.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        meta = AttentionMetadata(slot_mapping=slots, decode=buckets)
+        return self._long([s.token_ids[-1] for s in seqs]), positions, meta
+
+    def _long(self, data) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    # ---- one step ----
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence], is_prefill: bool):
+        """Run the model on the scheduled sequences and sample one token for each.
+
+        Returns (sequences in the order used, token ids, log-probs) as Python lists.
+        """
+        assert self.kv_cache is not None, "the KV cache is freed (engine asleep): call wake_up()"
+        if is_prefill:
+            input_ids, positions, meta, last_rows = self._prepare_prefill(seqs)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)[last_rows]
+        else:
+            seqs = sorted(seqs, key=len)
+            input_ids, positions, meta = self._prepare_decode(seqs)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden).float()
+        tokens, logprobs = sample(logits, seqs)
+        tp = self.model.tp
+        if tp.size > 1:  # rank 0's draw decides, so the ranks can never drift apart
+            src = dist.get_global_rank(tp.group, 0)
+            dist.broadcast(tokens, src, group=tp.group)
+            dist.broadcast(logprobs, src, group=tp.group)
+        return seqs, tokens.tolist(), logprobs.tolist()

@@ -1,0 +1,137 @@
+"""Building blocks: tensor-parallel linears (as gpt-fast / Megatron), RMSNorm, rotary embedding.
+
+Parameters are allocated with `torch.empty` (no initialisation): weights always arrive
+through `load_weights`, so building a model costs no compute and no second copy.
+
+Tensor parallelism over a process group of size tp:
+- column-parallel (q/k/v, gate/up): each rank holds a contiguous chunk of the output rows;
+- row-parallel (o_proj, down_proj): each rank holds a contiguous chunk of the input columns
+  and the partial products are summed with one all-reduce (the bias is added once, after);
+- norms, embeddings and lm_head are replicated (the vocabulary is not sharded).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class TPInfo:
+    """The tensor-parallel group this model is sharded over (size 1 when there is none)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+def _param(*shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split into `sections` (fused projections); each
+    section is chunked across the tp ranks, so rank r holds rows [r*s/tp, (r+1)*s/tp) of each."""
+
+    def __init__(self, in_features: int, sections: list[int], bias: bool, tp: TPInfo, dtype, device):
+        super().__init__()
+        for s in sections:
+            if s % tp.size:
+                raise ValueError(f"output size {s} does not divide by tensor-parallel size {tp.size}")
+        self.local_sections = [s // tp.size for s in sections]
+        self.weight = _param(sum(self.local_sections), in_features, dtype=dtype, device=device)
+        self.bias = _param(sum(self.local_sections), dtype=dtype, device=device) if bias else None
+
+    def section(self, tensor: torch.Tensor, i: int) -> torch.Tensor:
+        """A view of section i's local rows of `tensor` (the weight or the bias)."""
+        start = sum(self.local_sections[:i])
+        return tensor.detach()[start:start + self.local_sections[i]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b: rank r holds input columns [r*in/tp, (r+1)*in/tp)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo, dtype, device):
+        super().__init__()
+        if in_features % tp.size:
+            raise ValueError(f"input size {in_features} does not divide by tensor-parallel size {tp.size}")
+        self.tp = tp
+        self.weight = _param(out_features, in_features // tp.size, dtype=dtype, device=device)
+        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale of the config's RoPE (default, linear, llama3, yarn...).
+
+    Non-default types use transformers' own ROPE_INIT_FUNCTIONS so that scaled variants match
+    the reference exactly; types that depend on the running sequence length are refused.
+    """
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv_freq, 1.0
+    if rope_type in ("dynamic", "longrope"):
+        raise NotImplementedError(f"rope type {rope_type!r} (sequence-length dependent) is not supported; "
+                                  "supported: default, linear, llama3, yarn")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise NotImplementedError(f"unknown rope type {rope_type!r}")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions [0, max_len), looked up once per step for every layer.
+
+    Applied as transformers does: x * cos + rotate_half(x) * sin, cos = cat(f, f).cos() * scale.
+    """
+
+    def __init__(self, hf_config, max_len: int, dtype, device):
+        super().__init__()
+        inv_freq, scale = rope_inv_freq(hf_config)
+        freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens] -> cos, sin of shape [tokens, 1, head_dim] (broadcast over heads)."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim]; rotate_half pairs dim i with dim i + head_dim/2."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,82 @@
+"""Continuous batching: which sequences run in the next forward step.
+
+Each step is either a prefill step (new sequences, their uncached prompt tokens packed
+together, at most `max_num_batched_tokens` of them) or a decode step (one token for each
+running sequence). Prefill goes first whenever a waiting sequence fits, so finished
+sequences are replaced at once. When a decode step needs a block and none is free, the
+newest running sequence is preempted: its blocks are freed and it waits at the head of the
+queue to be recomputed (its tokens so far are prefilled again, mostly from the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from hflow.engine.block_manager import BlockManager
+from hflow.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Return (sequences, is_prefill) for the next step."""
+        scheduled, num_tokens = [], 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            new_tokens = len(seq) - min(seq.num_cached_tokens, len(seq) - 1)
+            # one sequence alone may exceed the budget, otherwise a long prompt would never run
+            if scheduled and num_tokens + new_tokens > self.max_num_batched_tokens:
+                self.block_manager.deallocate(seq)
+                break
+            num_tokens += new_tokens
+            seq.status = Status.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            scheduled.append(seq)
+        if scheduled:
+            return scheduled, True
+        if not self.running:
+            seq = self.waiting[0]
+            raise RuntimeError(
+                f"a sequence of {len(seq)} tokens does not fit in the KV cache "
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size}): "
+                "give the engine more KV memory (num_kv_blocks or kv_cache_bytes)")
+
+        # decode: one token for each running sequence; preempt the newest while blocks lack
+        bm = self.block_manager
+        while sum(bm.needs_block_to_append(s) for s in self.running) > bm.num_free_blocks:
+            self._preempt(self.running.pop())
+        for seq in self.running:
+            bm.append_slot(seq)
+        return list(self.running), False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Free the blocks of the sequences that finished in the last step; return them."""
+        done = [s for s in seqs if s.status == Status.FINISHED]
+        if done:
+            for seq in done:
+                self.block_manager.deallocate(seq)
+            done_ids = {id(s) for s in done}
+            self.running = deque(s for s in self.running if id(s) not in done_ids)
+        return done

@@ -1,0 +1,328 @@
+"""hflow.engine against transformers' own forward and generate, on tiny random models saved to
+disk and loaded back with LLM.from_pretrained, as a user's would be."""
+import itertools
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hflow.engine import LLM, SamplingParams
+from hflow.engine.attention import plan_buckets
+from hflow.engine.sampler import sample
+from hflow.engine.sequence import Sequence
+
+VOCAB, EOS = 96, 2
+PROMPT_LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 48, 64]
+
+
+def tiny_config(arch: str):
+    """Four architectures with the features that differ between them: GQA, tied and untied
+    embeddings, rope scaling (llama3, yarn), qkv bias, q/k norm with an explicit head_dim,
+    a sliding window shorter than the prompts."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  eos_token_id=EOS, bos_token_id=1, pad_token_id=0,
+                  initializer_range=0.2)  # peaked logits: greedy has no near-ties
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "qwen3":
+        return Qwen3Config(**{**common, "num_key_value_heads": 1}, head_dim=32, tie_word_embeddings=True)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=16, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """arch -> (directory, the transformers model saved there); llama is saved sharded."""
+    out = {}
+    for arch in ("llama", "qwen2", "qwen3", "mistral"):
+        model = tiny_model(arch)
+        path = str(tmp_path_factory.mktemp(arch))
+        model.save_pretrained(path, max_shard_size="100KB" if arch == "llama" else "1GB")
+        out[arch] = (path, model)
+    assert os.path.exists(os.path.join(out["llama"][0], "model.safetensors.index.json"))
+    return out
+
+
+def prompts_of(lengths, seed=0):
+    rnd = random.Random(seed)
+    return [[rnd.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompt, completion, temperature=1.0):
+    """log_softmax(logits / T) of a transformers forward at each completion token."""
+    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return logp.gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_matches_transformers_generate(saved, arch):
+    path, model = saved[arch]
+    llm = LLM.from_pretrained(path)
+    prompts = prompts_of(PROMPT_LENGTHS, seed=len(arch))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
+    stops = 0
+    for prompt, out in zip(prompts, outs):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+        got = out.outputs[0]
+        assert got.token_ids == ref, f"{arch}, prompt of {len(prompt)} tokens"
+        assert got.finish_reason == ("stop" if ref[-1] == EOS else "length")
+        stops += got.finish_reason == "stop"
+        lp = reference_logprobs(model, prompt, got.token_ids, temperature=0)
+        assert (lp - torch.tensor(got.logprobs)).abs().max() < 1e-4
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > len(outs) // 2  # not degenerate
+
+
+def test_sampled_logprobs_match_forward(saved):
+    path, model = saved["qwen2"]
+    llm = LLM.from_pretrained(path)
+    prompts = prompts_of([5, 20, 40])
+    temp = 0.7
+    outs = llm.generate(prompts, SamplingParams(n=3, temperature=temp, top_k=12, top_p=0.9, max_tokens=16, seed=3))
+    for prompt, out in zip(prompts, outs):
+        assert len(out.outputs) == 3
+        for c in out.outputs:
+            lp = reference_logprobs(model, prompt, c.token_ids, temperature=temp)
+            assert (lp - torch.tensor(c.logprobs)).abs().max() < 1e-4
+            with torch.no_grad():  # every token comes from the top-12 of its step
+                logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
+            rank = (logits > logits.gather(1, torch.tensor(c.token_ids)[:, None])).sum(-1)
+            assert int(rank.max()) < 12
+
+
+def _fake_seqs(params_list, seed=0):
+    return [Sequence(seq_id=i, request_id=i, sample_index=0, token_ids=[0], num_prompt_tokens=1, params=p,
+                     stop_ids=frozenset(), max_len=10, rng=random.Random(seed + i))
+            for i, p in enumerate(params_list)]
+
+
+def test_sampler_draws_from_the_filtered_distribution():
+    """Frequencies over 4000 draws match the analytic (top-k, then top-p renormalised)
+    distribution; greedy rows take the argmax."""
+    torch.manual_seed(0)
+    logits = torch.randn(6) * 1.5
+    draws = 4000
+    cases = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=3),
+             SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=0.9, top_k=4, top_p=0.7)]
+    for params in cases:
+        seqs = _fake_seqs([params] * draws)
+        tokens, logps = sample(logits.expand(draws, -1).clone(), seqs)
+        probs = torch.softmax(logits / params.temperature, -1)
+        assert torch.allclose(logps, probs.log()[tokens], atol=1e-6)
+        order = probs.argsort(descending=True)
+        keep = torch.zeros(6, dtype=torch.bool)
+        keep[order[:params.top_k or 6]] = True
+        p = probs * keep
+        p = p / p.sum()
+        mass_before = p[order].cumsum(0) - p[order]
+        keep[order[mass_before >= params.top_p]] = False
+        expected = probs * keep / (probs * keep).sum()
+        freq = torch.bincount(tokens, minlength=6).float() / draws
+        assert (freq[~keep] == 0).all()
+        assert (freq - expected).abs().max() < 0.035, (params, freq, expected)
+    tokens, _ = sample(logits[None].clone(), _fake_seqs([SamplingParams(temperature=0)]))
+    assert tokens.item() == logits.argmax().item()
+
+
+def test_prefix_caching_and_preemption_give_the_same_tokens(saved):
+    path, _ = saved["llama"]
+    base = prompts_of([40, 9, 33])
+    prompts = [base[0], base[0][:20] + base[1], base[2], base[0], base[1] + base[2]]  # shared prefixes
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=24)
+    sampled = SamplingParams(n=3, temperature=1.0, max_tokens=24, seed=11)
+    results = []
+    for opts in (dict(), dict(enable_prefix_caching=False), dict(num_kv_blocks=9), dict(num_kv_blocks=9, max_num_seqs=3)):
+        llm = LLM.from_pretrained(path, **opts)
+        g = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, greedy)]
+        s = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sampled)]
+        results.append((g, s, llm.stats()))
+    for g, s, _ in results[1:]:
+        assert g == results[0][0]
+        assert s == results[0][1]
+    assert results[0][2]["num_preemptions"] == 0
+    assert results[2][2]["num_preemptions"] > 0, results[2][2]
+    assert results[2][2]["peak_used_blocks"] <= 9
+
+
+def test_block_counts_show_prefix_sharing(saved):
+    path, _ = saved["qwen3"]
+    prompt = prompts_of([70])[0]  # 4 full blocks of 16 + 6 tokens
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=4, ignore_eos=True, seed=0)
+    shared = LLM.from_pretrained(path, block_size=16)
+    shared.generate([prompt], params)
+    # 4 shared prompt blocks + each sample's own last block (6 prompt tokens + 4 new)
+    assert shared.stats()["peak_used_blocks"] == 4 + 8
+    shared.generate([prompt, prompt], SamplingParams(n=1, temperature=0, max_tokens=4, ignore_eos=True))
+    assert shared.stats()["peak_used_blocks"] == 4 + 2  # identical prompts across requests share too
+    unshared = LLM.from_pretrained(path, block_size=16, enable_prefix_caching=False)
+    unshared.generate([prompt], params)
+    assert unshared.stats()["peak_used_blocks"] == 8 * 5
+
+
+def test_max_tokens_stop_tokens_and_ignore_eos(saved, tmp_path):
+    path, model = saved["qwen2"]
+    llm = LLM.from_pretrained(path)
+    prompts = prompts_of([12, 30])
+    free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for prompt, out in zip(prompts, free):
+        c = out.outputs[0]
+        assert len(c.token_ids) == 30 and c.finish_reason == "length"
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, min_new_tokens=0,
+                             eos_token_id=VOCAB + 1)  # an id never produced: no stopping
+        assert c.token_ids == ref[0, len(prompt):].tolist()
+        # stop on a token that appears mid-way: output ends right there, with the stop token
+        stop = c.token_ids[10]
+        first = c.token_ids.index(stop)
+        short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]))
+        assert short[0].outputs[0].token_ids == c.token_ids[:first + 1]
+        assert short[0].outputs[0].finish_reason == "stop"
+        capped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        assert capped[0].outputs[0].token_ids == c.token_ids[:5]
+    # the default stop set is the EOS of the saved generation config: make it a token met mid-way
+    c = free[0].outputs[0]
+    model.generation_config.eos_token_id = c.token_ids[7]
+    model.save_pretrained(str(tmp_path))
+    model.generation_config.eos_token_id = EOS
+    eos_llm = LLM.from_pretrained(str(tmp_path))
+    stopped = eos_llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    assert stopped.token_ids == c.token_ids[:c.token_ids.index(c.token_ids[7]) + 1]
+    assert stopped.finish_reason == "stop"
+    ignored = eos_llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert ignored[0].outputs[0].token_ids == c.token_ids
+
+
+def test_same_seed_same_tokens(saved):
+    path, _ = saved["mistral"]
+    llm = LLM.from_pretrained(path)
+    prompts = prompts_of([10, 25])
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=20, ignore_eos=True, seed=5)
+    a = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+    b = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[::-1] + prompts_of([3, 50], seed=9), params)]
+    assert a == b[:2][::-1]
+    assert len({tuple(t) for t in a[0]}) == 4  # the n samples differ from each other
+    c = llm.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=20, ignore_eos=True, seed=6))
+    assert [[x.token_ids for x in o.outputs] for o in c] != a
+    # the same request twice in one batch gives the same tokens
+    twice = llm.generate([prompts[0], prompts[0]], params)
+    assert [x.token_ids for x in twice[0].outputs] == [x.token_ids for x in twice[1].outputs] == a[0]
+
+
+def test_sleep_wake_and_load_weights_in_place(saved):
+    path, model = saved["qwen3"]
+    prompts = prompts_of([5, 18, 40])
+    params = SamplingParams(n=2, temperature=0.9, max_tokens=16, seed=1)
+    llm = LLM.from_pretrained(path)
+    first = llm.generate(prompts, params)
+    params_before = dict(llm.model.named_parameters())
+
+    llm.sleep(level=1)
+    assert llm.runner.kv_cache is None
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate(prompts, params)
+    llm.wake_up()
+    assert _tokens(llm.generate(prompts, params)) == _tokens(first)
+
+    llm.sleep(level=2)
+    assert all(p.untyped_storage().nbytes() == 0 for p in llm.model.parameters())
+    llm.wake_up()
+    assert dict(llm.model.named_parameters()) == params_before  # the same Parameter objects
+    ptrs = {n: p.data_ptr() for n, p in llm.model.named_parameters()}
+    llm.load_weights(model.state_dict().items())
+    assert _tokens(llm.generate(prompts, params)) == _tokens(first)
+
+    other = tiny_model("qwen3", seed=1)  # new weights in place: same as a fresh engine of them
+    loaded = llm.load_weights(other.state_dict().items())
+    assert {n: p.data_ptr() for n, p in llm.model.named_parameters()} == ptrs
+    assert "model.layers.1.self_attn.k_proj.weight" in loaded
+    assert _tokens(llm.generate(prompts, params)) == _tokens(LLM(other).generate(prompts, params))
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_constructors_agree(saved):
+    path, model = saved["llama"]
+    prompts = prompts_of([7, 30])
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = _tokens(LLM.from_pretrained(path).generate(prompts, params))
+    assert _tokens(LLM(model).generate(prompts, params)) == expected
+    assert _tokens(LLM(model.state_dict(), config=model.config).generate(prompts, params)) == expected
+    empty = LLM.from_config(model.config, dtype=torch.float32)
+    empty.load_weights(model.state_dict().items())
+    assert _tokens(empty.generate(prompts, params)) == expected
+
+
+def test_clear_errors(saved):
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama, mistral, qwen2, qwen3"):
+        LLM(GPT2Config(n_layer=1, n_embd=32, n_head=2))
+    path, model = saved["qwen2"]
+    llm = LLM.from_pretrained(path)
+    with pytest.raises(KeyError, match="unexpected weight"):
+        llm.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match=r"has shape \(3, 3\)"):
+        llm.load_weights([("model.norm.weight", torch.zeros(3, 3))])
+    with pytest.raises(ValueError, match="KV blocks"):
+        LLM.from_pretrained(path, num_kv_blocks=2).generate([[5] * 40], SamplingParams(max_tokens=10))
+
+
+def test_plan_buckets_is_optimal():
+    """The bucket plan equals the cheapest of all contiguous partitions (brute force)."""
+    rnd = random.Random(0)
+    for _ in range(30):
+        rows = sorted(rnd.randint(1, 9) for _ in range(rnd.randint(1, 9)))
+        overhead = rnd.choice([0, 10, 50, 500])
+
+        def cost(spans):
+            return sum((e - s) * rows[e - 1] * 16 + overhead for s, e in spans)
+        best = min(cost(list(zip((0,) + cuts, cuts + (len(rows),))))
+                   for k in range(len(rows)) for cuts in itertools.combinations(range(1, len(rows)), k))
+        spans = plan_buckets(rows, 16, overhead)
+        assert spans[0][0] == 0 and spans[-1][1] == len(rows)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert cost(spans) == best
+
+
+def test_cli_prints_a_completion(saved, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path, model = saved["llama"]
+    words = [f"w{i}" for i in range(VOCAB - 3)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    prompt = "w5 w17 w3 w40 w41 w9"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(prompt)["input_ids"]
+    assert ids == [vocab[w] for w in prompt.split()]
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    run = subprocess.run([sys.executable, "-m", "hflow.engine", "--model", path, "--prompt", prompt,
+                          "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == tokenizer.decode(ref, skip_special_tokens=True).strip()
+    assert run.stdout.strip()
