@@ -36,6 +36,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import transport
+from .batch import Batch
 from .dispatch import Layout, gather, mode_of, scatter
 from .server import Server, _hard_exit, _log, to_cpu
 
@@ -206,7 +207,7 @@ class Cluster:
                 self._seq[rank] += 1
                 if rank == self._server.rank:
                     # local: copy, so rank 0's worker never shares objects with the controller
-                    sent.append((rank, self._server.submit(seq, copy.deepcopy(task))))
+                    sent.append((rank, self._server.submit(seq, _private_copy(task))))
                     continue
                 try:
                     sent.append((rank, transport.send(rank, ("task", seq, task))))
@@ -234,7 +235,7 @@ class Cluster:
         if status == "err":
             return self._fail(RemoteError(body[0], future.what, body[1]))
         try:
-            value = copy.deepcopy(body[0]) if rank == self._server.rank else body[0]
+            value = _private_copy(body[0]) if rank == self._server.rank else body[0]
         except Exception:
             return self._fail(RemoteError(rank, future.what,
                                           "the result could not be copied (results must be "
@@ -311,6 +312,21 @@ class Cluster:
             except Exception:
                 pass   # that rank is already gone
         _hard_exit(1)
+
+
+def _private_copy(x):
+    """What crossing RPC gives a remote worker, for rank 0's own worker: a copy it can modify
+    without touching the controller's objects (and the other way round). Tensors are cloned
+    by hand: deepcopy of a view (a dp shard) would copy the whole underlying storage."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, Batch):
+        return Batch({k: _private_copy(v) for k, v in x.items()}, _private_copy(x.meta))
+    if type(x) in (list, tuple):
+        return type(x)(_private_copy(v) for v in x)
+    if type(x) is dict:
+        return {k: _private_copy(v) for k, v in x.items()}
+    return copy.deepcopy(x)
 
 
 def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
