@@ -52,7 +52,7 @@ class RemoteError(RuntimeError):
 
     def __init__(self, rank: int, what: str, remote_traceback: str):
         self.rank, self.what, self.remote_traceback = rank, what, remote_traceback
-        super().__init__(f"{what} failed on rank {rank}. Remote traceback:\n"
+        super().__init__(f"{what} failed on rank {rank}; its traceback:\n"
                          f"{remote_traceback.rstrip()}")
 
     def __reduce__(self):
@@ -368,7 +368,7 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
         cluster._close()
     except BaseException as e:   # KeyboardInterrupt too: every rank must go
         traceback.print_exc()
-        first_line = (str(e).splitlines() or [""])[0]
+        first_line = (str(e).splitlines() or [""])[0].split("; its traceback")[0]
         cluster._abort(f"the controller failed: {type(e).__name__}: {first_line}")
     _leave()
     return result

@@ -86,8 +86,12 @@ class Server:
                 self._next_seq += 1
             try:
                 reply = ("ok", self._run(task))
-            except BaseException:
-                reply = ("err", self.rank, traceback.format_exc())
+            except BaseException as e:
+                # start the traceback at the worker's code, below this loop and _run
+                tb = e.__traceback__
+                for _ in range(2):
+                    tb = tb.tb_next or tb
+                reply = ("err", self.rank, "".join(traceback.format_exception(type(e), e, tb)))
             if task[0] == "stop":
                 self.stopped.set()
             future.set_result(reply)
