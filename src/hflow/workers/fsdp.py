@@ -269,6 +269,8 @@ def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causa
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                               AutoModelForTokenClassification)
 
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} is not a Hugging Face model directory (no config.json)")
     config = AutoConfig.from_pretrained(path)
     config.use_cache = False
     auto = {"causal_lm": AutoModelForCausalLM, "value": AutoModelForTokenClassification,
