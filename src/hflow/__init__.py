@@ -17,14 +17,15 @@ _EXPORTS = {
     "DataConfig": "hflow.data",
     "RewardConfig": "hflow.rewards",
     "Scorer": "hflow.rewards",
-    "dispatch": "hflow.dispatch",
+    "Future": "hflow.cluster",
+    "make_mesh": "hflow.cluster",
     "Actor": "hflow.workers",
     "Reference": "hflow.workers",
     "Critic": "hflow.workers",
     "RewardModel": "hflow.workers",
 }
 _SUBMODULES = {"algos", "rewards", "data", "engine", "workers", "config", "metrics", "checkpoint",
-               "default_model"}
+               "default_model", "placement", "dispatch"}
 
 
 def __getattr__(name):
