@@ -50,9 +50,26 @@ class ModelRunner:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _prepare_prefill(self, seqs: list[Sequence]):
+        """Pack the uncached tokens of each *distinct* sequence.
+
+        Sequences with identical tokens (the n samples of a fresh prompt) are computed once:
+        a follower shares the leader's full blocks through the prefix cache, gets a copy of
+        its other blocks after the forward, and samples from the leader's logits row.
+        """
         ids, positions, slots, per_seq, last_rows = [], [], [], [], []
+        leaders: dict[tuple[int, ...], tuple[int, Sequence]] = {}  # tokens -> (logits row, leader)
+        logits_rows, copies = [], []
         scratch_slot = self.scratch_block * self.block_size
         for seq in seqs:
+            key = tuple(seq.token_ids)
+            if key in leaders:
+                row, leader = leaders[key]
+                first_own = seq.num_cached_tokens // self.block_size
+                copies.extend((src, dst) for src, dst in zip(leader.block_table[first_own:], seq.block_table[first_own:])
+                              if src != dst)
+                logits_rows.append(row)
+                continue
+            leaders[key] = (len(last_rows), seq)
             start = min(seq.num_cached_tokens, len(seq) - 1)  # the last token is always recomputed
             per_seq.append(PrefillSeq(
                 q_start=len(ids), q_len=len(seq) - start, ctx_len=len(seq),
@@ -62,9 +79,10 @@ class ModelRunner:
             # a recomputed token whose KV is already cached is written to the scratch block
             slots.extend(scratch_slot if p < seq.num_cached_tokens else self._slot(seq, p)
                          for p in range(start, len(seq)))
+            logits_rows.append(len(last_rows))
             last_rows.append(len(ids) - 1)
         meta = AttentionMetadata(slot_mapping=self._long(slots), prefill=per_seq)
-        return self._long(ids), self._long(positions), meta, self._long(last_rows)
+        return self._long(ids), self._long(positions), meta, self._long(last_rows), self._long(logits_rows), copies
 
     def _prepare_decode(self, seqs: list[Sequence]):
         """`seqs` sorted by length; buckets are contiguous runs of them."""
@@ -95,13 +113,16 @@ class ModelRunner:
         """
         assert self.kv_cache is not None, "the KV cache is freed (engine asleep): call wake_up()"
         if is_prefill:
-            input_ids, positions, meta, last_rows = self._prepare_prefill(seqs)
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)[last_rows]
+            input_ids, positions, meta, last_rows, logits_rows, copies = self._prepare_prefill(seqs)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden[last_rows])[logits_rows].float()
+            if copies:  # followers' own blocks: a copy of their leader's, every layer at once
+                src, dst = self._long([c[0] for c in copies]), self._long([c[1] for c in copies])
+                self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
         else:
             seqs = sorted(seqs, key=len)
             input_ids, positions, meta = self._prepare_decode(seqs)
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden).float()
+            logits = self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches)).float()
         tokens, logprobs = sample(logits, seqs)
         tp = self.model.tp
         if tp.size > 1:  # rank 0's draw decides, so the ranks can never drift apart
