@@ -73,7 +73,6 @@ def test_engine_outputs_become_rows_grouped_by_prompt():
 
     t, rows = engine_outputs_to_tensors([[4, 5], [6]], [Request([7], [8, 1]), Request([9, 9, 1], [3])],
                                         pad_id=0, response_len=4)
-    assert t["prompt_index"].tolist() == [0, 0, 1, 1]
     assert t["input_ids"].tolist() == [[4, 5, 7, 0, 0, 0], [4, 5, 8, 1, 0, 0],
                                        [0, 6, 9, 9, 1, 0], [0, 6, 3, 0, 0, 0]]
     assert t["rollout_log_probs"][2].tolist() == [-0.5, -0.5, -0.5, 0.0]
@@ -225,10 +224,10 @@ def test_one_rank_and_two_ranks_train_the_same(tmp_path):
     for weighting in ("tokens", "sequences"):
         one, two = (torch.load(tmp_path / f"out{w}.pt")[weighting] for w in (1, 2))
         for m1, m2 in zip(one["metrics"], two["metrics"]):
-            assert m1.keys() == m2.keys() == {"loss", "clipfrac", "grad_norm", "lr"}
+            assert m1.keys() == m2.keys() == {"actor/loss", "actor/clipfrac", "actor/grad_norm", "actor/lr"}
             for key in m1:
                 assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), (key, m1, m2)
-        assert max(m["grad_norm"] for m in one["metrics"]) > 0.5  # clipping was active
+        assert max(m["actor/grad_norm"] for m in one["metrics"]) > 0.5  # clipping was active
         moved = 0.0
         for name, w1 in one["weights"].items():
             moved = max(moved, (w1 - start[name]).abs().max().item())

@@ -7,6 +7,7 @@ from hflow.workers.base import check_batch_sizes
 from hflow.workers.critic import Critic, CriticConfig
 from hflow.workers.fsdp import FSDPConfig, OptimConfig
 from hflow.workers.reward import RewardModel, RewardModelConfig
+from hflow.workers.rollout import RolloutConfig
 
 __all__ = ["Actor", "ActorConfig", "Reference", "Critic", "CriticConfig", "RewardModel",
-           "RewardModelConfig", "FSDPConfig", "OptimConfig", "check_batch_sizes"]
+           "RewardModelConfig", "RolloutConfig", "FSDPConfig", "OptimConfig", "check_batch_sizes"]

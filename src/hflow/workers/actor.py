@@ -1,11 +1,17 @@
 """The policy (Actor) and the frozen policy (Reference), FSDP2 on a causal LM.
 
-Batches follow hflow/workers/layout.py. A loss function comes from the recipe:
+    actor = cluster.spawn(Actor, ActorConfig(model_path=...))   # Actor(mesh, cfg) on each rank
+    rollouts = actor.generate(prompts, RolloutConfig(n=4))       # Batch in the layout.py layout
+    rollouts = rollouts | actor.log_probs(rollouts, 1.0)         # + old_log_probs [B, R]
+    metrics = actor.update(rollouts, loss_fn)[0]                 # one dict per dp shard, all equal
 
-    loss_fn(log_probs [b, r], micro_batch, entropy=None) -> (loss, metrics)
+A loss function comes from the recipe and is called once per micro-batch:
 
-called once per micro-batch, with `micro_batch` holding the batch's tensors for those rows
-(padding columns trimmed, so [b, r] with r <= R) on the training device.
+    loss_fn(log_probs [b, r], micro_batch: Batch, entropy=None) -> (loss, metrics)
+
+`micro_batch` holds the batch's tensors for those rows on the training device, with the
+columns that are padding in every row trimmed (so r <= R); it must be picklable (a module-level
+function or a functools.partial of one) to reach the workers.
 """
 from __future__ import annotations
 
@@ -15,9 +21,12 @@ from typing import Callable, Literal
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from hflow.batch import Batch
+from hflow.dispatch import dispatch
 from hflow.workers import layout
 from hflow.workers.base import ModelWorker, as_tensors, batch_meta
 from hflow.workers.fsdp import FSDPConfig, OptimConfig, build_model
+from hflow.workers.rollout import Rollout, RolloutConfig, prompt_token_lists, rollout_batch
 
 
 @dataclass
@@ -41,7 +50,7 @@ class ActorConfig:
 
 
 class Actor(ModelWorker):
-    """The policy: log-probs, PPO-style updates, and (see `generate`) rollouts."""
+    """The policy: rollouts, log-probs, PPO-style updates, checkpoints."""
 
     flag_prefix = "actor"
     trainable = True
@@ -52,6 +61,7 @@ class Actor(ModelWorker):
             raise ValueError(f"--{self.flag_prefix}.model-path is required (a Hugging Face directory)")
         model = build_model(cfg.model_path, mesh, cfg.fsdp, "causal_lm", trainable=self.trainable)
         super().__init__(mesh, model, cfg, cfg.optim if self.trainable else None)
+        self.rollout = Rollout(mesh, model, cfg.model_path, cfg.fsdp) if self.trainable else None
 
     def _log_probs(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
         """Per-token log-probs of the responses: logits at positions P-1 .. P+R-2 predict the
@@ -63,10 +73,13 @@ class Actor(ModelWorker):
         responses = mb["input_ids"][:, mb["input_ids"].shape[1] - R:]
         return layout.token_log_probs(out.logits[:, :-1], responses, temperature, with_entropy)
 
+    @dispatch("dp")
     @torch.no_grad()
-    def log_probs(self, batch, temperature: float = 1.0, with_entropy: bool = False, key: str | None = None):
+    def log_probs(self, batch, temperature: float = 1.0, with_entropy: bool = False,
+                  key: str | None = None) -> Batch:
         """{key: [B, R] log-probs of the response tokens at `temperature`} (key: old_log_probs
-        for the Actor, ref_log_probs for the Reference), plus `entropy` [B, R] if asked."""
+        for the Actor, ref_log_probs for the Reference), plus `entropy` [B, R] if asked; 0
+        outside response_mask."""
         key = key or self.output_key
         self.model.eval()
 
@@ -74,13 +87,15 @@ class Actor(ModelWorker):
             logp, entropy = self._log_probs(layout.trim_padding(mb), temperature, with_entropy)
             return {key: logp, **({"entropy": entropy} if with_entropy else {})}
 
-        return self.forward_rows(as_tensors(batch), forward)
+        return Batch(self.forward_rows(as_tensors(batch), forward))
 
+    @dispatch("dp")
     def update(self, batch, loss_fn: Callable, temperature: float | None = None,
                with_entropy: bool = False) -> dict[str, float]:
         """Train on a batch: `cfg.epochs` passes, one optimizer step per mini-batch. The
         temperature must be the rollout's (default: batch.meta["temperature"], else 1); the
-        number of samples per prompt is batch.meta["n"] (default 1)."""
+        samples per prompt are batch.meta["n"] (default 1). Returns actor/loss, actor/grad_norm,
+        actor/lr and the loss function's metrics as actor/<name>."""
         meta = batch_meta(batch)
         temperature = temperature if temperature is not None else meta.get("temperature", 1.0)
 
@@ -90,12 +105,27 @@ class Actor(ModelWorker):
 
         return self.train(as_tensors(batch), int(meta.get("n", 1)), loss_of, self.cfg.epochs)
 
+    @dispatch("dp")
+    def generate(self, prompts: Batch, rollout: RolloutConfig) -> Batch:
+        """Sample `rollout.n` responses per prompt with the current weights, resharded into the
+        generation engine (tensor-parallel size rollout.tp_size). `prompts` has a `prompt_ids`
+        column (token-id lists) or left-padded `input_ids` + `attention_mask`; its other columns
+        are repeated n times. Returns the sequences in the layout of hflow/workers/layout.py plus
+        `rollout_log_probs` and `finish_reason`, meta n and temperature."""
+        if self.rollout is None:
+            raise TypeError(f"{type(self).__name__} does not generate")
+        token_lists = prompt_token_lists(prompts)
+        outputs = self.rollout.generate(token_lists, rollout)
+        config = self.model.config
+        pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        return rollout_batch(prompts, token_lists, outputs, rollout.n, pad_id, self.mesh, rollout.temperature)
+
     @staticmethod
     def wrap(mb: dict[str, torch.Tensor], like):
         """Hand the loss function the same kind of object the worker was given."""
         if isinstance(like, dict):
             return mb
-        return type(like)(mb, meta=batch_meta(like))
+        return Batch(mb, meta=batch_meta(like))
 
 
 class Reference(Actor):
@@ -107,3 +137,6 @@ class Reference(Actor):
 
     def update(self, *args, **kwargs):
         raise TypeError("the Reference model is frozen: it has no update")
+
+    def generate(self, *args, **kwargs):
+        raise TypeError("the Reference model does not generate")

@@ -11,7 +11,6 @@ and since FSDP averages gradients over the D ranks, each rank back-propagates D 
 """
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from typing import Callable
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from hflow.dispatch import dispatch
 from hflow.workers import layout
 from hflow.workers.fsdp import all_reduce_sum, build_optimizer, clip_grad_norm_, device_of
 
@@ -121,9 +121,10 @@ class ModelWorker:
     def train(self, tensors: dict[str, torch.Tensor], n: int, loss_of: Callable, epochs: int) -> dict[str, float]:
         """PPO-style epochs over strided mini-batches, one optimizer step per mini-batch.
 
-        `loss_of(micro_batch) -> (loss, metrics)`. Returns the metrics averaged over the
-        optimizer steps (each step's metrics are the mini-batch-weighted means), plus grad_norm
-        and lr (the learning rate of the last step).
+        `loss_of(micro_batch) -> (loss, metrics)`. Returns the loss and metrics averaged over
+        the optimizer steps (each step's are mini-batch-weighted means over all ranks), plus
+        grad_norm and lr (the learning rate of the last step), keyed "<role>/<name>"
+        (e.g. actor/loss, actor/clipfrac, critic/grad_norm).
         """
         dp = self.mesh.size()
         rows = len(tensors["input_ids"])
@@ -160,61 +161,34 @@ class ModelWorker:
                 steps += 1
         metrics = {k: v / steps for k, v in totals.items()}
         metrics["lr"] = lr
-        return metrics
+        return {f"{self.flag_prefix}/{k}": v for k, v in metrics.items()}
 
     # ---- checkpoints -----------------------------------------------------------------------
 
+    def _state(self):
+        from hflow.checkpoint import ModelState
+
+        return {"model": ModelState(self.model, self.optimizer, self.scheduler)}
+
+    @dispatch("all")
     def save(self, path: str) -> None:
-        """Sharded checkpoint (torch.distributed.checkpoint) of the model, optimizer and schedule."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        """Sharded checkpoint (torch.distributed.checkpoint) of the model, optimizer and
+        schedule in the directory `path`. Collective over the group."""
+        from hflow.checkpoint import save_sharded
 
-        model_sd, optim_sd = get_state_dict(self.model, [self.optimizer] if self.optimizer else [])
-        state = {"model": model_sd}
-        if self.optimizer is not None:
-            state |= {"optim": optim_sd, "scheduler": self.scheduler.state_dict()}
-        dcp.save(state, checkpoint_id=path, process_group=self.mesh.get_group())
+        save_sharded(path, self._state(), self.mesh.get_group())
 
+    @dispatch("all")
     def load(self, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        """Resume from `save(path)`, on any number of ranks. Collective over the group."""
+        from hflow.checkpoint import load_sharded
 
-        model_sd, optim_sd = get_state_dict(self.model, [self.optimizer] if self.optimizer else [])
-        state = {"model": model_sd}
-        if self.optimizer is not None:
-            state |= {"optim": optim_sd, "scheduler": self.scheduler.state_dict()}
-        dcp.load(state, checkpoint_id=path, process_group=self.mesh.get_group())
-        set_state_dict(self.model, [self.optimizer] if self.optimizer else [],
-                       model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
-        if self.optimizer is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
+        load_sharded(path, self._state(), self.mesh.get_group())
 
-    def export_hf(self, path: str, source_dir: str | None = None) -> None:
-        """Write a Hugging Face directory (safetensors + config, and the tokenizer files of
-        `source_dir`) that `from_pretrained` loads. Gathers the full model on the mesh's first rank."""
-        import shutil
+    @dispatch("all")
+    def export_hf(self, path: str, tokenizer: str | None = None) -> None:
+        """Write a Hugging Face directory that `from_pretrained` loads (and the tokenizer of the
+        directory `tokenizer`, if given). Collective; the group's first rank writes."""
+        from hflow.checkpoint import export_hf
 
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.mesh.get_local_rank() != 0:
-            return
-        os.makedirs(path, exist_ok=True)
-        seen, tensors = set(), {}
-        for name, value in full.items():  # tied weights: keep the first name only
-            if value.data_ptr() in seen:
-                continue
-            seen.add(value.data_ptr())
-            tensors[name] = value.contiguous()
-        tmp = os.path.join(path, "model.safetensors.tmp")
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(path, "model.safetensors"))
-        config = self.model.config
-        config.architectures = [self.model.hf_class_name]
-        config.save_pretrained(path)
-        if source_dir:
-            for name in os.listdir(source_dir):
-                if "token" in name or name in ("generation_config.json", "vocab.json", "merges.txt",
-                                               "chat_template.jinja"):
-                    shutil.copy(os.path.join(source_dir, name), os.path.join(path, name))
+        export_hf(self.model, path, tokenizer=tokenizer, process_group=self.mesh.get_group())

@@ -11,6 +11,8 @@ from typing import Callable, Literal
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from hflow.batch import Batch
+from hflow.dispatch import dispatch
 from hflow.workers import layout
 from hflow.workers.base import ModelWorker, as_tensors, batch_meta
 from hflow.workers.fsdp import FSDPConfig, OptimConfig, build_model
@@ -57,13 +59,17 @@ class Critic(ModelWorker):
                          position_ids=layout.position_ids(mb["attention_mask"]), use_cache=False)
         return out.logits[:, L - R - 1:L - 1, 0].float()
 
+    @dispatch("dp")
     @torch.no_grad()
-    def values(self, batch) -> dict[str, torch.Tensor]:
-        """{"values": [B, R]}."""
+    def values(self, batch) -> Batch:
+        """{"values": [B, R]}, 0 outside response_mask."""
         self.model.eval()
-        return self.forward_rows(as_tensors(batch), lambda mb: {"values": self._values(layout.trim_padding(mb))})
+        return Batch(self.forward_rows(as_tensors(batch), lambda mb: {"values": self._values(layout.trim_padding(mb))}))
 
+    @dispatch("dp")
     def update(self, batch, loss_fn: Callable) -> dict[str, float]:
+        """Train on a batch (epochs x mini-batches as the Actor); loss_fn(values [b, r],
+        micro_batch) -> (loss, metrics). Returns critic/loss, critic/grad_norm, critic/lr, ..."""
         from hflow.workers.actor import Actor
 
         def loss_of(mb):

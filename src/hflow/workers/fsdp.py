@@ -280,7 +280,6 @@ def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causa
         config.classifier_dropout = 0.0  # a value head must be deterministic in training mode
     with params_on_meta():
         model = auto.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    model.hf_class_name = type(model).__name__
     model.requires_grad_(trainable)
     shard_model(model, mesh, cfg)
     materialize(model, mesh, cfg)

@@ -74,20 +74,18 @@ def engine_outputs_to_tensors(prompts: Sequence[Sequence[int]], outputs, pad_id:
                               response_len: int | None = None, prompt_len: int | None = None):
     """Engine results (`outputs[i].outputs[j]` for sample j of `prompts[i]`) -> (tensors, rows).
 
-    Tensors follow the layout above plus `rollout_log_probs` [B*n, R] (the engine's log-prob
-    of each sampled token) and `prompt_index` [B*n] (i, the group of the sample); `rows` holds
-    each row's `finish_reason`.
+    Tensors follow the layout above plus `rollout_log_probs` [B*n, R], the engine's log-prob
+    of each sampled token; `rows` holds each row's `finish_reason`. Row i*n + j is sample j of
+    prompt i.
     """
-    row_prompts, responses, logprobs, finish, group = [], [], [], [], []
-    for i, (prompt, request) in enumerate(zip(prompts, outputs)):
+    row_prompts, responses, logprobs, finish = [], [], [], []
+    for prompt, request in zip(prompts, outputs):
         for sample in request.outputs:
             row_prompts.append(list(prompt))
             responses.append(list(sample.token_ids))
             logprobs.append(list(sample.logprobs))
             finish.append(sample.finish_reason)
-            group.append(i)
     tensors = sequence_tensors(row_prompts, responses, pad_id, response_len, prompt_len, logprobs)
-    tensors["prompt_index"] = torch.tensor(group, dtype=torch.long)
     return tensors, {"finish_reason": finish}
 
 

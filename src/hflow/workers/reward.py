@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from hflow.batch import Batch
+from hflow.dispatch import dispatch
 from hflow.workers import layout
 from hflow.workers.base import ModelWorker, as_tensors
 from hflow.workers.fsdp import FSDPConfig, build_model
@@ -55,6 +57,8 @@ class RewardModel(ModelWorker):
         last = P - 1 + mask[:, P:].sum(-1)  # responses are right-padded
         return per_token[torch.arange(len(last), device=last.device), last, 0].float()
 
+    @dispatch("dp")
     @torch.no_grad()
-    def scores(self, batch) -> dict[str, torch.Tensor]:
-        return self.forward_rows(as_tensors(batch), lambda mb: {"rm_scores": self._scores(layout.trim_padding(mb))})
+    def scores(self, batch) -> Batch:
+        """{"rm_scores": [B]}: the head's output at each sequence's last response token."""
+        return Batch(self.forward_rows(as_tensors(batch), lambda mb: {"rm_scores": self._scores(layout.trim_padding(mb))}))

@@ -1,0 +1,152 @@
+"""Rollouts from the actor's own ranks: the hybrid engine.
+
+On `Actor.generate` the current FSDP2 weights go into a generation engine (hflow.engine) on the
+same ranks through `reshard.generation_weights` — one tensor at a time, no second full copy of
+the model — the engine generates, and goes back to sleep (KV cache and weights freed), so the
+training step never sees it.
+
+With tp_g > 1 the engine of a tensor-parallel group (ranks t * dp_g + j for t = 0..tp_g-1,
+strided) runs as one: its ranks pool the prompts they were dispatched, generate them all with
+the same seeds, and each keeps the results of its own prompts.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hflow.workers import layout
+from hflow.workers.fsdp import device_of, mixed_precision
+
+
+@dataclass
+class RolloutConfig:
+    """How the actor samples responses."""
+
+    n: int = 1
+    """samples per prompt"""
+    temperature: float = 1.0
+    """sampling temperature (0: greedy)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold (1: off)"""
+    top_k: int = 0
+    """sample among the k likeliest tokens (0: off)"""
+    max_tokens: int = 64
+    """longest response, in tokens"""
+    seed: int = 0
+    """base seed of the samples; call i of generate uses seed + i, the same on every rank"""
+    tp_size: int = 1
+    """tensor-parallel size of the generation engine (divides the actor's ranks)"""
+    kv_cache_bytes: int = 0
+    """KV cache budget per rank in bytes (0: the engine's default)"""
+    max_num_seqs: int = 256
+    """sequences decoded at once"""
+    enable_prefix_caching: bool = True
+    """the n samples of a prompt share its KV blocks"""
+    free_weights_when_asleep: bool = True
+    """between rollouts, free the engine's weights too (they are reloaded from the actor each time)"""
+
+
+class Rollout:
+    """The engine of one actor rank and the generation mesh it is fed through."""
+
+    def __init__(self, train_mesh: DeviceMesh, model: torch.nn.Module, model_path: str, fsdp_cfg):
+        self.train_mesh, self.model, self.model_path = train_mesh, model, model_path
+        self.device = device_of(train_mesh)
+        self.dtype = mixed_precision(fsdp_cfg, self.device).param_dtype or torch.float32
+        self.llm = self.gen_mesh = None
+        self.tp_size = 0
+        self.calls = 0
+
+    def _engine(self, cfg: RolloutConfig):
+        """Build the generation mesh and the engine the first time (and when tp_size changes)."""
+        from hflow.cluster import make_mesh
+        from hflow.engine import LLM
+        from hflow.reshard import generation_mesh
+
+        if self.llm is not None and cfg.tp_size == self.tp_size:
+            return self.llm
+        self.gen_mesh = generation_mesh(self.train_mesh, cfg.tp_size, make_mesh)
+        options = {"kv_cache_bytes": cfg.kv_cache_bytes} if cfg.kv_cache_bytes else {}
+        config = self.model.config
+        self.llm = LLM.from_config(config, dtype=self.dtype, device=self.device,
+                                   tp_group=self.gen_mesh.get_group("tp") if cfg.tp_size > 1 else None,
+                                   eos_token_ids=_eos_ids(self.model_path, config),
+                                   max_num_seqs=cfg.max_num_seqs,
+                                   enable_prefix_caching=cfg.enable_prefix_caching, **options)
+        self.tp_size = cfg.tp_size
+        return self.llm
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], cfg: RolloutConfig):
+        """Sample `cfg.n` responses for each of this rank's prompts with the actor's current
+        weights. Returns the engine's RequestOutputs, in prompt order."""
+        from hflow.engine import SamplingParams
+        from hflow.reshard import generation_weights
+
+        llm = self._engine(cfg)
+        llm.wake_up()
+        llm.load_weights(generation_weights(self.model, self.gen_mesh, self.dtype))
+        # pool the prompts of the tp group: its engine runs them together
+        tp_group = self.gen_mesh.get_group("tp")
+        pooled = [None] * cfg.tp_size
+        if cfg.tp_size > 1:
+            dist.all_gather_object(pooled, prompts, group=tp_group)
+        else:
+            pooled = [prompts]
+        params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                max_tokens=cfg.max_tokens, seed=cfg.seed + self.calls)
+        self.calls += 1
+        outputs = llm.generate([p for part in pooled for p in part], params)
+        llm.sleep(level=2 if cfg.free_weights_when_asleep else 1)
+        mine = self.gen_mesh.get_local_rank("tp")
+        start = sum(len(part) for part in pooled[:mine])
+        return outputs[start:start + len(prompts)]
+
+
+def _eos_ids(model_path: str, config) -> list[int] | None:
+    if os.path.exists(os.path.join(model_path, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return None
+
+
+def prompt_token_lists(batch) -> list[list[int]]:
+    """A prompts Batch's token ids: the `prompt_ids` column (lists of ids), or the real tokens of
+    left-padded `input_ids` + `attention_mask`."""
+    if "prompt_ids" in batch:
+        return [list(map(int, ids)) for ids in batch["prompt_ids"]]
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    return [row[m].tolist() for row, m in zip(ids, mask)]
+
+
+def group_max(value: int, mesh: DeviceMesh) -> int:
+    """The largest `value` over the mesh's ranks (so that every shard pads to the same width)."""
+    t = torch.tensor([value], device=device_of(mesh))
+    if mesh.size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return int(t)
+
+
+def rollout_batch(prompts_batch, prompts: list[list[int]], outputs, n: int, pad_id: int,
+                  mesh: DeviceMesh, temperature: float):
+    """The engine's outputs as a Batch in the layout of hflow/workers/layout.py, with the
+    prompts' other columns repeated n times; widths agree over the mesh so that dp shards
+    concatenate."""
+    from hflow.batch import Batch
+
+    P = group_max(max(map(len, prompts), default=1), mesh)
+    R = group_max(max((len(s.token_ids) for o in outputs for s in o.outputs), default=1), mesh)
+    tensors, rows = layout.engine_outputs_to_tensors(prompts, outputs, pad_id, response_len=R, prompt_len=P)
+    carried = prompts_batch.drop(*[k for k in ("prompt_ids", "input_ids", "attention_mask")
+                                   if k in prompts_batch])
+    out = Batch({**tensors, **rows}, meta={**prompts_batch.meta, "n": n, "temperature": temperature})
+    if len(carried.keys()):
+        out = carried.repeat(n, interleave=True) | out
+    return out
