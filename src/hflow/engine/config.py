@@ -14,7 +14,8 @@ class EngineConfig:
     block_size: tokens per KV block (the unit of allocation and of prefix sharing).
     num_kv_blocks / kv_cache_bytes: the KV budget, in blocks or in bytes for all layers on this
         rank (give at most one). Default: what max_num_seqs sequences of max_model_len need,
-        capped at 1 GiB. The cache is allocated (zeroed) up front, and again at wake_up().
+        capped at 1 GiB. The cache is allocated (zeroed) by the first generate(), freed by
+        sleep() and allocated again by the first generate() after wake_up().
     max_num_seqs: sequences running at once (a decode step's batch).
     max_num_batched_tokens: new tokens in one prefill step (one longer prompt still runs alone).
     max_model_len: longest prompt + completion; default: the config's max_position_embeddings.

@@ -111,7 +111,7 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
-        self._weights_freed = False
+        self._asleep = self._weights_freed = False
         self._next_seq_id = 0
 
     # ---- weights and memory ----
@@ -164,18 +164,20 @@ class LLM:
         """
         self.runner.free_kv_cache()
         self.block_manager.reset_prefix_cache()
+        self._asleep = True
         if level >= 2 and not self._weights_freed:
             for p in self._unique_parameters():
                 p.data.untyped_storage().resize_(0)
             self._weights_freed = True
 
     def wake_up(self) -> None:
-        """Restore what sleep() freed (the weights' storage comes back uninitialised)."""
+        """Restore what sleep() freed (the weights' storage comes back uninitialised, the KV
+        cache is allocated by the next generate())."""
         if self._weights_freed:
             for p in self._unique_parameters():
                 p.data.untyped_storage().resize_(p.numel() * p.element_size())
             self._weights_freed = False
-        self.runner.allocate_kv_cache()
+        self._asleep = False  # the KV cache comes back at the next generate()
 
     def _unique_parameters(self):
         return self.model.parameters()  # deduplicated: tied embeddings appear once
@@ -191,7 +193,7 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompt_token_ids)
         if len(sampling_params) != len(prompt_token_ids):
             raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompt_token_ids)} prompts")
-        if self.runner.kv_cache is None or self._weights_freed:
+        if self._asleep:
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         self.block_manager.peak_used_blocks = self.block_manager.num_used_blocks
         self.scheduler.num_preemptions = 0

@@ -1,8 +1,9 @@
 """Runs one scheduled step: packs the batch, builds attention metadata, runs the model, samples.
 
 Owns the KV cache: one tensor [2, layers, num_blocks + 1, block_size, kv_heads, head_dim]
-(K and V of every layer; the extra block is scratch, see attention.py), zero-filled so that
-masked-out padding never reads NaN.
+(K and V of every layer; the extra block is scratch, see attention.py), allocated at the
+first step (so an engine built only to receive weights holds no cache yet) and zero-filled
+so that masked-out padding never reads NaN.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class ModelRunner:
         self.kv_shape = (2, len(model.layers), num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
         self.scratch_block = num_blocks
         self.kv_cache: torch.Tensor | None = None
-        self.allocate_kv_cache()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -111,7 +112,7 @@ class ModelRunner:
 
         Returns (sequences in the order used, token ids, log-probs) as Python lists.
         """
-        assert self.kv_cache is not None, "the KV cache is freed (engine asleep): call wake_up()"
+        self.allocate_kv_cache()
         if is_prefill:
             input_ids, positions, meta, last_rows, logits_rows, copies = self._prepare_prefill(seqs)
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
