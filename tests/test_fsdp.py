@@ -171,7 +171,7 @@ def test_log_probs_equal_transformers_forward(tmp_path, tie):
 TRAIN = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from hflow.workers import Actor, ActorConfig, OptimConfig
+from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig
 from test_fsdp import random_rollouts
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -193,8 +193,10 @@ def ppo_loss(logp, mb, entropy=None):
 saved = {}
 for weighting in ("tokens", "sequences"):
     # different micro-batching on each layout: by count on 1 rank, by token budget on 2
+    # (and activation checkpointing on 2 ranks: it recomputes, it must not change anything)
     cfg = ActorConfig(model_path=path, mini_batch_size=2, epochs=2, loss_weighting=weighting,
                       micro_batch_size=3, max_tokens_per_micro_batch=0 if world == 1 else 24,
+                      fsdp=FSDPConfig(activation_checkpointing=world == 2),
                       optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=20,
                                         grad_clip=0.5))
     actor = Actor(mesh, cfg)
@@ -213,7 +215,8 @@ dist.destroy_process_group()
 def test_one_rank_and_two_ranks_train_the_same(tmp_path):
     """FSDP2 changes the layout, not the math: same losses and weights after 3 updates
     (8 sequences of varying lengths, 2 mini-batches x 2 epochs each, clipping, a schedule,
-    different micro-batching), for token-mean and seq-mean losses."""
+    different micro-batching, activation checkpointing on one side), for token-mean and
+    seq-mean losses."""
     path = tiny_model_dir(tmp_path / "model")
     for world in (1, 2):
         torchrun(TRAIN, nproc=world, args=[path, tmp_path / f"out{world}.pt"],

@@ -32,10 +32,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-# Row-parallel linears of a Llama-family decoder: tensor parallelism splits their input dim.
-ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
-# Column-parallel linears (and their biases): tensor parallelism splits their output dim.
-COLUMN_PARALLEL = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")
+from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
+
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -184,7 +182,7 @@ def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
 
 
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, path: str, ignore: Callable[[str], bool] = lambda name: False,
+def load_hf_weights(model: nn.Module, path: str, ignore: Callable[[str], bool] = lambda name: False,
                     allow_missing: Callable[[str], bool] = lambda name: False) -> None:
     """Fill every (sharded) parameter from the safetensors files in `path`, reading only the
     slice this rank owns. Checkpoint keys for which `ignore(key)` holds are skipped; model
@@ -285,7 +283,7 @@ def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causa
     materialize(model, mesh, cfg)
 
     new_head = kind != "causal_lm" and _is_causal_lm_checkpoint(path)
-    load_checkpoint(model, path, ignore=lambda k: new_head and k.startswith("lm_head."),
+    load_hf_weights(model, path, ignore=lambda k: new_head and k.startswith("lm_head."),
                     allow_missing=lambda n: new_head and n.startswith("score."))
     if new_head:
         _init_head(model.score, config.initializer_range, head_init_seed)

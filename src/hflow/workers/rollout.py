@@ -46,8 +46,12 @@ class RolloutConfig:
     """sequences decoded at once"""
     enable_prefix_caching: bool = True
     """the n samples of a prompt share its KV blocks"""
+    max_model_len: int = 0
+    """longest prompt + response the engine accepts (0: the model's max_position_embeddings)"""
     free_weights_when_asleep: bool = True
     """between rollouts, free the engine's weights too (they are reloaded from the actor each time)"""
+    progress: bool = True
+    """show a progress bar (on the actor's first rank)"""
 
 
 class Rollout:
@@ -69,8 +73,11 @@ class Rollout:
 
         if self.llm is not None and cfg.tp_size == self.tp_size:
             return self.llm
+        self.llm = None  # free the engine of another tp size first
         self.gen_mesh = generation_mesh(self.train_mesh, cfg.tp_size, make_mesh)
         options = {"kv_cache_bytes": cfg.kv_cache_bytes} if cfg.kv_cache_bytes else {}
+        if cfg.max_model_len:
+            options["max_model_len"] = cfg.max_model_len
         config = self.model.config
         self.llm = LLM.from_config(config, dtype=self.dtype, device=self.device,
                                    tp_group=self.gen_mesh.get_group("tp") if cfg.tp_size > 1 else None,
@@ -100,7 +107,8 @@ class Rollout:
         params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 max_tokens=cfg.max_tokens, seed=cfg.seed + self.calls)
         self.calls += 1
-        outputs = llm.generate([p for part in pooled for p in part], params)
+        show = cfg.progress and self.train_mesh.get_local_rank() == 0
+        outputs = llm.generate([p for part in pooled for p in part], params, use_tqdm=show)
         llm.sleep(level=2 if cfg.free_weights_when_asleep else 1)
         mine = self.gen_mesh.get_local_rank("tp")
         start = sum(len(part) for part in pooled[:mine])
