@@ -2,7 +2,7 @@
 
 The order is torchtitan's:
 
-1. build the `transformers` model with its parameters on the meta device (no memory, no init);
+1. build the `transformers` model with its parameters on the meta device (see params_on_meta);
 2. optional activation checkpointing (transformers' own flag, so parameter names stay the
    Hugging Face names that checkpoints, the engine and the resharding use);
 3. `fully_shard` every decoder layer, then the root;
@@ -33,7 +33,6 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
-
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -96,10 +95,13 @@ def mixed_precision(cfg: FSDPConfig, device: torch.device) -> MixedPrecisionPoli
 
 @contextlib.contextmanager
 def params_on_meta():
-    """Create parameters on the meta device but buffers for real.
+    """Parameters on the meta device, buffers for real.
 
-    Buffers such as the rotary `inv_freq` are computed in `__init__` and are not in checkpoints,
-    so they must be real; parameters are filled from the checkpoint after sharding.
+    Each parameter is moved to meta as its module registers it, before the model's weight
+    initialisation runs (on meta: free), so at most one never-touched parameter allocation
+    exists at a time. Buffers such as the rotary `inv_freq` are computed in `__init__` and are
+    not in checkpoints, so they stay real; parameters are filled from the checkpoint after
+    sharding.
     """
     register = nn.Module.register_parameter
 
