@@ -8,8 +8,10 @@ probability ~--eos-prob, which gives completion lengths that vary like an RL bat
 
 Peers (same model, same prompts): `generate` on one left-padded batch with
 num_return_sequences=n, and `generate_batch` (transformers' own continuous batching).
-Each engine runs once untimed on a small batch (warm-up), then the timed workload.
-Throughput = generated tokens (up to and including EOS) / wall time.
+Each engine runs once untimed on a small batch (warm-up), then the timed workload
+(--repeat times, interleaved across engines, best kept). Throughput = generated tokens (up to
+and including EOS) / wall time. The process CPU time is printed too: on a shared machine a
+wall time far above it means the run was starved.
 
     python scripts/bench_generate.py                     # the full comparison (~1 min idle)
     python scripts/bench_generate.py --prompts 8 --peers generate   # a quick look
@@ -57,20 +59,21 @@ def count_until_eos(tokens: list[int], eos: int) -> int:
     return tokens.index(eos) + 1 if eos in tokens else len(tokens)
 
 
-def run_hflow(model, prompts, n, max_new, eos, seed):
+def setup_hflow(model, prompts, n, max_new, eos, seed):
+    """Build the engine and warm it up; return the timed call."""
     from hflow.engine import LLM, SamplingParams
 
     llm = LLM(model, block_size=16, num_kv_blocks=len(prompts) * n * (96 + max_new) // 16 + 64,
               max_num_seqs=len(prompts) * n)
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_new, seed=seed)
     llm.generate(prompts[:4], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=seed))
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    dt = time.perf_counter() - t
-    return sum(len(c.token_ids) for o in outs for c in o.outputs), dt
+
+    def run():
+        outs = llm.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_new, seed=seed))
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return run
 
 
-def run_generate(model, prompts, n, max_new, eos, seed):
+def setup_generate(model, prompts, n, max_new, eos, seed):
     def go(batch, new):
         width = max(map(len, batch))
         ids = torch.tensor([[eos] * (width - len(p)) + p for p in batch])
@@ -82,12 +85,10 @@ def run_generate(model, prompts, n, max_new, eos, seed):
         return sum(count_until_eos(row[width:].tolist(), eos) for row in out)
     torch.manual_seed(seed)
     go(prompts[:4], 8)
-    t = time.perf_counter()
-    tokens = go(prompts, max_new)
-    return tokens, time.perf_counter() - t
+    return lambda: go(prompts, max_new)
 
 
-def run_generate_batch(model, prompts, n, max_new, eos, seed):
+def setup_generate_batch(model, prompts, n, max_new, eos, seed):
     from transformers import GenerationConfig
 
     def go(batch, new):
@@ -97,12 +98,10 @@ def run_generate_batch(model, prompts, n, max_new, eos, seed):
         return sum(count_until_eos(list(o.generated_tokens), eos) for o in outs.values())
     torch.manual_seed(seed)
     go(prompts[:4], 8)
-    t = time.perf_counter()
-    tokens = go(prompts, max_new)
-    return tokens, time.perf_counter() - t
+    return lambda: go(prompts, max_new)
 
 
-PEERS = {"generate": run_generate, "generate_batch": run_generate_batch}
+ENGINES = {"hflow": setup_hflow, "generate": setup_generate, "generate_batch": setup_generate_batch}
 
 
 def main():
@@ -115,6 +114,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peers", default="generate,generate_batch", help="comma list, or '' for hflow only")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs per engine (interleaved); best is kept")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -125,19 +125,27 @@ def main():
     print(f"model: Qwen2 {params / 1e6:.1f}M params, fp32, {args.threads} threads; workload: {args.prompts} "
           f"prompts x n={args.n}, <= {args.max_new_tokens} new tokens, EOS prob {args.eos_prob}/token")
 
-    results = {}
-    for name, fn in [("hflow", run_hflow)] + [(p, PEERS[p]) for p in args.peers.split(",") if p]:
-        cpu = time.process_time()
-        tokens, dt = fn(model, prompts, args.n, args.max_new_tokens, eos, args.seed)
-        cpu = time.process_time() - cpu  # includes the warm-up; a hint when the machine is shared
-        results[name] = tokens / dt
-        mean_len = tokens / (args.prompts * args.n)
-        print(f"{name:>15}: {tokens:6d} tokens in {dt:6.2f} s = {tokens / dt:7.1f} tok/s "
-              f"(mean completion {mean_len:.1f} tokens; process CPU {cpu:.1f} s)", flush=True)
-    peers = {k: v for k, v in results.items() if k != "hflow"}
+    names = ["hflow"] + [p for p in args.peers.split(",") if p]
+    runs = {name: ENGINES[name](model, prompts, args.n, args.max_new_tokens, eos, args.seed) for name in names}
+    best: dict[str, tuple[float, int, float]] = {}
+    for rep in range(args.repeat):  # interleaved, so that a busy spell hits every engine alike
+        for name in names:
+            cpu, start = time.process_time(), time.perf_counter()
+            tokens = runs[name]()
+            dt, cpu = time.perf_counter() - start, time.process_time() - cpu
+            print(f"  [{rep + 1}/{args.repeat}] {name}: {tokens} tokens in {dt:.2f} s "
+                  f"(process CPU {cpu:.1f} s)", flush=True)
+            if name not in best or tokens / dt > best[name][0]:
+                best[name] = (tokens / dt, tokens, dt)
+    print(f"best of {args.repeat}:")
+    for name in names:
+        rate, tokens, dt = best[name]
+        print(f"{name:>15}: {tokens:6d} tokens in {dt:6.2f} s = {rate:7.1f} tok/s "
+              f"(mean completion {tokens / (args.prompts * args.n):.1f} tokens)")
+    peers = {k: v[0] for k, v in best.items() if k != "hflow"}
     if peers:
-        best = max(peers, key=peers.get)
-        print(f"hflow / {best} (the faster peer) = {results['hflow'] / peers[best]:.2f}x")
+        faster = max(peers, key=peers.get)
+        print(f"hflow / {faster} (the faster peer) = {best['hflow'][0] / peers[faster]:.2f}x")
 
 
 if __name__ == "__main__":
