@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
+from tyro.conf import Suppress
 from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.batch import Batch
@@ -33,8 +34,8 @@ from hflow.workers.rollout import Rollout, RolloutConfig, prompt_token_lists, ro
 class ActorConfig:
     """The policy model and how it is trained."""
 
-    model_path: str = ""
-    """Hugging Face directory of the policy (config.json + safetensors)"""
+    model_path: Suppress[str] = ""
+    """Hugging Face directory of the policy (config.json + safetensors); recipes set it from --model.path"""
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     epochs: int = 1

@@ -37,7 +37,7 @@ class RolloutConfig:
     max_tokens: int = 64
     """longest response, in tokens"""
     seed: int = 0
-    """base seed of the samples; call i of generate uses seed + i, the same on every rank"""
+    """seed of the samples, the same on every rank (a recipe passes a new one each step, so that a resumed run draws what the uninterrupted run drew)"""
     tp_size: int = 1
     """tensor-parallel size of the generation engine (divides the actor's ranks)"""
     kv_cache_bytes: int = 0
@@ -72,7 +72,6 @@ class Rollout:
         self.dtype = mixed_precision(fsdp_cfg, self.device).param_dtype or torch.float32
         self.llm = self.gen_mesh = None
         self.tp_size = 0
-        self.calls = 0
 
     def _engine(self, cfg: RolloutConfig):
         """Build the generation mesh and the engine the first time (and when tp_size changes)."""
@@ -115,8 +114,7 @@ class Rollout:
         else:
             pooled = [prompts]
         params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                max_tokens=cfg.max_tokens, seed=cfg.seed + self.calls)
-        self.calls += 1
+                                max_tokens=cfg.max_tokens, seed=cfg.seed)
         show = option(cfg, "progress") and self.train_mesh.get_local_rank() == 0
         outputs = llm.generate([p for part in pooled for p in part], params, use_tqdm=show)
         llm.sleep(level=2 if option(cfg, "free_weights_when_asleep") else 1)

@@ -1,0 +1,140 @@
+"""GRPO: group-relative policy optimisation (Shao et al. 2024) — no critic.
+
+    torchrun --nproc-per-node 2 recipes/grpo.py                     # the embedded default task
+    torchrun --nproc-per-node 8 recipes/grpo.py --model.path ~/models/Qwen2.5-0.5B-Instruct \
+        --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
+        --data.chat --reward.fn gsm8k --rollout.max-tokens 512 --actor.optim.lr 1e-6
+    torchrun ... recipes/grpo.py --help                             # every flag, grouped
+
+Each step: sample `rollout.n` responses for each of `data.batch-size` prompts with the actor's
+current weights (resharded into the generation engine on the same ranks), score them, take
+A_i = (s_i - mean_group) / (std_group + eps) for every token of response i, and update the actor
+with the PPO clipped loss (+ a k3 KL loss to the reference policy when `--algo.kl-coef` > 0).
+
+Supports: any supported Hugging Face causal LM, jsonl/parquet prompts, rule rewards or
+`module:function`, Dr.GRPO (`--algo.no-norm-by-std`), clip-higher, several PPO epochs and
+mini-batches, checkpoints and resume, colocated or split (reference on its own ranks) placement.
+Not (yet): reward models, multi-turn rollouts, sequence packing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import tyro
+
+import hflow
+from hflow import algos
+from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
+                          TrainerConfig)
+from hflow.data import PromptSampler
+from hflow.metrics import MetricsLogger, Timer
+from hflow.placement import colocate, split
+from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, resume_run, rollout_metrics, save_run, score
+from hflow.rewards import Scorer
+from hflow.workers import Actor, check_batch_sizes, Reference
+
+
+@dataclass
+class GRPOConfig:
+    clip_low: float = 0.2
+    """PPO clip below: ratio >= 1 - clip_low."""
+    clip_high: float = 0.2
+    """PPO clip above: ratio <= 1 + clip_high (DAPO's clip-higher: raise it)."""
+    kl_coef: float = 0.0
+    """Weight of the KL loss to the reference policy (0: no reference model at all)."""
+    kl_kind: str = "low_var_kl"
+    """KL estimator of that loss: k1, k2, k3, abs, low_var_kl (k3, clamped)."""
+    norm_by_std: bool = True
+    """Divide by the group's std (False: Dr.GRPO)."""
+    loss_agg: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(
+        optim=OptimConfig(lr=2e-4), micro_batch_size=64))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8, max_tokens=5))
+    algo: GRPOConfig = field(default_factory=GRPOConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
+        steps=150, eval_every=50, output_dir="outputs/grpo"))
+
+
+def grpo_loss(log_probs, mb, entropy=None, *, algo: GRPOConfig):
+    """PPO clipped surrogate on group-relative advantages, plus the KL loss to the reference."""
+    mask = mb["response_mask"]
+    loss, metrics = algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask,
+                                      algo.clip_low, algo.clip_high, agg=algo.loss_agg)
+    if algo.kl_coef > 0:
+        kl = algos.masked_mean(algos.kl_penalty(log_probs, mb["ref_log_probs"], algo.kl_kind), mask)
+        loss = loss + algo.kl_coef * kl
+        metrics["kl_loss"] = kl.item()
+    return loss, metrics
+
+
+def main(cluster: hflow.Cluster, cfg: Config):
+    roles = ["actor", "ref"] if cfg.algo.kl_coef > 0 else ["actor"]
+    plan = split([[r] for r in roles], cluster.world_size) if cfg.trainer.placement == "split" \
+        else colocate(roles, cluster.world_size)
+    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]))
+    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
+    sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
+    scorer = Scorer(cfg.reward)
+    actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
+    actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
+    ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
+
+    step, out = 0, cfg.trainer.output_dir
+    if cfg.trainer.resume and (state := resume_run(f"{out}/checkpoints", {"actor": actor})):
+        step = state["step"]
+        sampler.load_state_dict(state["data"])
+    log = MetricsLogger(out, cfg.trainer.logging, cfg.trainer.steps, resume_step=step if cfg.trainer.resume else None)
+    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer, cfg.rollout, cfg.trainer.eval_size)
+    if step == 0:
+        log.log(0, evaluate_now())
+
+    loss_fn = functools.partial(grpo_loss, algo=cfg.algo)
+    timer = Timer()
+    while step < cfg.trainer.steps:
+        step += 1
+        with timer("step"):
+            with timer("generate"):
+                rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
+                batch = actor.generate(prompt_batch(next(sampler)), rollout)
+            scores, metrics = score(batch, tokenizer, scorer)
+            mask = batch["response_mask"]
+            groups = torch.arange(len(batch)) // cfg.rollout.n       # the n samples of a prompt are adjacent
+            batch["advantages"] = algos.grpo_advantages(scores, groups, mask, cfg.algo.norm_by_std)
+            with timer("log_probs"):
+                old = actor.log_probs.future(batch, cfg.rollout.temperature)
+                batch = batch | (ref.log_probs(batch, cfg.rollout.temperature) if ref else hflow.Batch()) \
+                    | old.result()
+            with timer("update"):
+                metrics |= actor.update(batch, loss_fn)[0]
+        if ref:
+            metrics["kl/mean"] = algos.masked_mean(algos.kl_penalty(
+                batch["old_log_probs"], batch["ref_log_probs"], "k1"), mask).item()
+        else:   # no reference: KL of the updated policy to the one that sampled, as the loss saw it
+            metrics["kl/mean"] = metrics.get("actor/approx_kl", 0.0)
+        metrics |= rollout_metrics(batch) | timer.pop()
+        metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps:
+            metrics |= evaluate_now()
+        log.log(step, metrics)
+        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
+            save_run(f"{out}/checkpoints", step, {"actor": actor}, {"data": sampler.state_dict()},
+                     cfg.trainer.keep_last)
+    if cfg.trainer.export:
+        actor.export_hf(f"{out}/actor_hf", model_dir)
+    log.close()
+    scorer.close()
+
+
+if __name__ == "__main__":
+    hflow.launch(main, tyro.cli(Config))

@@ -1,0 +1,185 @@
+"""PPO with a learned critic (Ouyang et al. 2022; Ziegler et al. 2019) — HybridFlow's main case.
+
+    torchrun --nproc-per-node 2 recipes/ppo.py                      # the embedded default task
+    torchrun --nproc-per-node 4 recipes/ppo.py --trainer.placement split   # critic on its own ranks
+    torchrun --nproc-per-node 8 recipes/ppo.py --model.path ~/models/Qwen2.5-0.5B-Instruct \
+        --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
+        --data.chat --reward.fn gsm8k --rollout.max-tokens 512 --actor.optim.lr 1e-6
+    torchrun ... recipes/ppo.py --help                              # every flag, grouped
+
+Each step: sample responses with the actor (resharded into the generation engine on its own
+ranks), score them, read log-probs of the actor and the reference and the critic's values,
+put the score on the last token and -beta * KL(actor || ref) on every token, estimate
+advantages with GAE (whitened), then train the critic (clipped value loss) and — after
+`--algo.critic-warmup` steps — the actor (PPO clipped loss, optional entropy bonus), for
+`--actor.epochs` passes over `--actor.mini-batch-size` mini-batches.
+
+Supports: a fixed or adaptive KL controller, or KL as a loss (`--algo.kl-loss`), clip-higher
+and dual-clip, value clipping, critic warm-up, colocated or split placement (actor+reference
+and critic on disjoint ranks, running concurrently), checkpoints and resume, Hugging Face
+export. Not (yet): reward models in the loop (`hflow.RewardModel` exists), multi-turn.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+
+import hflow
+from hflow import algos
+from hflow.config import (ActorConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
+                          RolloutConfig, TrainerConfig)
+from hflow.data import PromptSampler
+from hflow.metrics import MetricsLogger, Timer
+from hflow.placement import colocate, split
+from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, resume_run, rollout_metrics, save_run, score
+from hflow.rewards import Scorer
+from hflow.workers import Actor, check_batch_sizes, Critic, Reference
+
+
+@dataclass
+class PPOConfig:
+    gamma: float = 1.0
+    """Discount of GAE."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_coef: float = 0.001
+    """beta: weight of the KL penalty (in the reward, or as a loss with --algo.kl-loss); 0: no reference model."""
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    """Keep beta fixed, or adapt it towards --algo.kl-target (Ziegler et al.)."""
+    kl_target: float = 0.01
+    """Target KL per token of the adaptive controller."""
+    kl_horizon: int = 10000
+    """Horizon (in samples) of the adaptive controller."""
+    kl_loss: bool = False
+    """Put the KL in the actor's loss (k3) instead of the reward."""
+    clip_low: float = 0.2
+    """PPO clip below: ratio >= 1 - clip_low."""
+    clip_high: float = 0.2
+    """PPO clip above: ratio <= 1 + clip_high."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages (None: off)."""
+    value_clip: float = 0.5
+    """Clip value predictions to old value +- this."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    critic_warmup: int = 0
+    """Steps that train only the critic before the actor starts."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(
+        optim=OptimConfig(lr=2e-4), micro_batch_size=64))
+    critic: CriticConfig = field(default_factory=lambda: CriticConfig(
+        optim=OptimConfig(lr=5e-4), micro_batch_size=64))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=5))
+    algo: PPOConfig = field(default_factory=PPOConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
+        steps=150, eval_every=50, output_dir="outputs/ppo"))
+
+
+def actor_loss(log_probs, mb, entropy=None, *, algo: PPOConfig, kl_coef: float):
+    mask = mb["response_mask"]
+    loss, metrics = algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask,
+                                      algo.clip_low, algo.clip_high, algo.dual_clip)
+    if algo.kl_loss and kl_coef > 0:
+        kl = algos.masked_mean(algos.kl_penalty(log_probs, mb["ref_log_probs"], "low_var_kl"), mask)
+        loss = loss + kl_coef * kl
+        metrics["kl_loss"] = kl.item()
+    if entropy is not None:
+        mean_entropy = algos.masked_mean(entropy, mask)
+        loss = loss - algo.entropy_coef * mean_entropy
+        metrics["entropy"] = mean_entropy.item()
+    return loss, metrics
+
+
+def critic_loss(values, mb, *, algo: PPOConfig):
+    loss, metrics = algos.value_loss(values, mb["values"], mb["returns"], mb["response_mask"], algo.value_clip)
+    return loss, {**metrics, "vpred_mean": algos.masked_mean(values, mb["response_mask"]).item()}
+
+
+def main(cluster: hflow.Cluster, cfg: Config):
+    algo = cfg.algo
+    sets = [["actor", "ref"], ["critic"]] if algo.kl_coef > 0 else [["actor"], ["critic"]]
+    plan = split(sets, cluster.world_size) if cfg.trainer.placement == "split" \
+        else colocate([r for s in sets for r in s], cluster.world_size)
+    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]), "actor")
+    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.critic.mini_batch_size, len(plan["critic"]), "critic")
+    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
+    sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
+    scorer = Scorer(cfg.reward)
+    kl_ctrl = algos.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) \
+        if algo.kl_ctrl == "adaptive" else algos.FixedKLController(algo.kl_coef)
+    actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
+    actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
+    ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
+    critic = cluster.spawn(Critic, cfg.critic, model_dir, ranks=plan["critic"])
+    trained = {"actor": actor, "critic": critic}
+
+    step, out = 0, cfg.trainer.output_dir
+    if cfg.trainer.resume and (state := resume_run(f"{out}/checkpoints", trained)):
+        step = state["step"]
+        sampler.load_state_dict(state["data"])
+        kl_ctrl.load_state_dict(state["kl_ctrl"])
+    log = MetricsLogger(out, cfg.trainer.logging, cfg.trainer.steps, resume_step=step if cfg.trainer.resume else None)
+    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer, cfg.rollout, cfg.trainer.eval_size)
+    if step == 0:
+        log.log(0, evaluate_now())
+
+    timer, temperature = Timer(), cfg.rollout.temperature
+    while step < cfg.trainer.steps:
+        step += 1
+        with timer("step"):
+            with timer("generate"):
+                rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
+                batch = actor.generate(prompt_batch(next(sampler)), rollout)
+            scores, metrics = score(batch, tokenizer, scorer)
+            with timer("log_probs"):   # three groups at once where they sit on different ranks
+                parts = [actor.log_probs.future(batch, temperature), critic.values.future(batch)]
+                parts += [ref.log_probs.future(batch, temperature)] if ref else []
+                for part in parts:
+                    batch = batch | part.result()
+            mask = batch["response_mask"]
+            token_rewards = algos.scores_to_token_rewards(scores, mask)
+            if ref:
+                kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask
+                metrics["kl/mean"] = algos.masked_mean(kl, mask).item()
+                metrics["kl/coef"] = kl_ctrl.value
+                if not algo.kl_loss:
+                    token_rewards = token_rewards - kl_ctrl.value * kl
+            advantages, batch["returns"] = algos.gae_advantages(token_rewards, batch["values"], mask,
+                                                                algo.gamma, algo.lam)
+            batch["advantages"] = algos.masked_whiten(advantages, mask)
+            with timer("update"):      # the critic and the actor train at the same time when split
+                critic_update = critic.update.future(batch, functools.partial(critic_loss, algo=algo))
+                if step > algo.critic_warmup:
+                    loss_fn = functools.partial(actor_loss, algo=algo, kl_coef=kl_ctrl.value)
+                    metrics |= actor.update(batch, loss_fn, with_entropy=algo.entropy_coef > 0)[0]
+                metrics |= critic_update.result()[0]
+        if ref:
+            kl_ctrl.update(metrics["kl/mean"], len(batch))
+        metrics |= rollout_metrics(batch) | timer.pop()
+        metrics["values/mean"] = algos.masked_mean(batch["values"], mask).item()
+        metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps:
+            metrics |= evaluate_now()
+        log.log(step, metrics)
+        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
+            save_run(f"{out}/checkpoints", step, trained,
+                     {"data": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict()}, cfg.trainer.keep_last)
+    if cfg.trainer.export:
+        actor.export_hf(f"{out}/actor_hf", model_dir)
+    log.close()
+    scorer.close()
+
+
+if __name__ == "__main__":
+    hflow.launch(main, tyro.cli(Config))

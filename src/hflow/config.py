@@ -1,0 +1,62 @@
+"""The configuration a recipe is made of: dataclasses that tyro turns into grouped flags.
+
+Each part lives next to the code it configures and is re-exported here, so that a recipe
+imports its whole configuration from one place:
+
+    --model.*    ModelConfig      which policy (or the embedded default)
+    --data.*     DataConfig       prompts (hflow.data)
+    --reward.*   RewardConfig     how responses are scored (hflow.rewards)
+    --actor.*    ActorConfig      the policy's training (hflow.workers)
+    --critic.*   CriticConfig     the value model's training (hflow.workers)
+    --rollout.*  RolloutConfig    sampling and the generation engine (hflow.workers)
+    --trainer.*  TrainerConfig    steps, evaluation, checkpoints, logging, placement
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hflow.data import DataConfig
+from hflow.metrics import LoggingConfig
+from hflow.rewards import RewardConfig
+from hflow.workers import (ActorConfig, CriticConfig, FSDPConfig, OptimConfig, RewardModelConfig,
+                           RolloutConfig)
+
+__all__ = ["ModelConfig", "RolloutConfig", "TrainerConfig", "DataConfig", "RewardConfig",
+           "ActorConfig", "CriticConfig", "RewardModelConfig", "OptimConfig", "FSDPConfig",
+           "LoggingConfig"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face directory of the policy (config, safetensors, tokenizer); empty: the embedded default model, built here and warmed up with supervised learning (cached)."""
+    default_size: Literal["tiny", "default", "25m"] = "default"
+    """Size of the embedded default model (used when --model.path is empty)."""
+    default_seed: int = 0
+    """Seed of the embedded default model and of its warm-up."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    """RL steps (one batch of prompts each)."""
+    output_dir: str = "outputs/run"
+    """Where metrics.jsonl, checkpoints and the exported model go."""
+    eval_every: int = 0
+    """Evaluate on the held-out prompts every this many steps (0: only before and after training)."""
+    eval_size: int = 500
+    """Held-out prompts per evaluation (at most the size of the held-out split)."""
+    save_every: int = 0
+    """Write a checkpoint every this many steps (0: never)."""
+    keep_last: int = 2
+    """Checkpoints kept on disk."""
+    resume: bool = False
+    """Continue from the latest checkpoint in output_dir/checkpoints."""
+    export: bool = True
+    """Export the final actor as a Hugging Face directory (output_dir/actor_hf)."""
+    placement: Literal["colocate", "split"] = "colocate"
+    """colocate: every model on every rank; split: actor+reference on half the ranks, critic on the other half."""
+    seed: int = 0
+    """Seed of everything the controller draws."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,105 @@
+"""The recipes end to end on CPU ranks: placements, resume, export, and bad input."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist import torchrun
+from hflow.default_model import build_default
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+# keys that depend on wall-clock time, not on the computation
+TIMING = ("time/", "throughput/")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_default(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)
+
+
+def small_run(model, out, steps=2, *extra):
+    return ["--model.path", model, "--trainer.output-dir", out, "--trainer.steps", steps,
+            "--data.batch-size", 4, "--rollout.n", 2, "--rollout.max-tokens", 4,
+            "--trainer.eval-size", 8, "--trainer.logging.no-progress-bars", *extra]
+
+
+def rows(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING)}
+
+
+def test_ppo_split_placement_on_4_ranks_logs_every_metric_and_exports(tiny_model, tmp_path):
+    out = tmp_path / "ppo"
+    torchrun(str(RECIPES / "ppo.py"), 4, small_run(tiny_model, out, 2, "--trainer.placement", "split"),
+             timeout=400).check()
+    logged = rows(out)
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    assert "eval/reward_mean" in logged[0] and "eval/reward_mean" in logged[-1]
+    for key in ("reward/mean", "response_length/mean", "kl/mean", "actor/loss", "actor/clipfrac",
+                "actor/grad_norm", "critic/loss", "time/generate_s", "time/update_s", "time/step_s",
+                "throughput/tokens_per_s"):
+        assert key in logged[1], key
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    exported = AutoModelForCausalLM.from_pretrained(out / "actor_hf")
+    AutoTokenizer.from_pretrained(out / "actor_hf")
+    original = AutoModelForCausalLM.from_pretrained(tiny_model)
+    changed = [n for n, p in exported.named_parameters()
+               if not torch.equal(p, original.state_dict()[n])]
+    assert changed, "the exported actor should carry the trained weights"
+
+
+def test_ppo_resumed_run_matches_the_uninterrupted_one(tiny_model, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    torchrun(str(RECIPES / "ppo.py"), 2, small_run(tiny_model, straight, 4, "--trainer.no-export"),
+             timeout=400).check()
+    torchrun(str(RECIPES / "ppo.py"), 2, small_run(tiny_model, resumed, 2, "--trainer.save-every", 2,
+                                                   "--trainer.no-export"), timeout=400).check()
+    assert (resumed / "checkpoints" / "step_2").is_dir()
+    torchrun(str(RECIPES / "ppo.py"), 2, small_run(tiny_model, resumed, 4, "--trainer.resume",
+                                                   "--trainer.no-export"), timeout=400).check()
+    a, b = rows(straight), rows(resumed)
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    for x, y in zip(a, b):
+        x, y = without_timing(x), without_timing(y)
+        if x["step"] == 2:   # the interrupted run also evaluated at its last step
+            y = {k: v for k, v in y.items() if not k.startswith("eval/")}
+        assert x == pytest.approx(y, rel=1e-5, abs=1e-7), x["step"]
+
+
+def test_grpo_colocated_with_reference_runs(tiny_model, tmp_path):
+    out = tmp_path / "grpo"
+    torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 2, "--algo.kl-coef", 0.01,
+                                                    "--trainer.no-export"), timeout=400).check()
+    logged = rows(out)
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    assert logged[2]["actor/kl_loss"] >= 0 and "kl/mean" in logged[2]
+
+
+@pytest.mark.parametrize("case", ["unknown flag", "batch does not divide", "missing file", "unsupported model"])
+def test_bad_input_stops_before_work_with_a_message(case, tiny_model, tmp_path):
+    args = small_run(tiny_model, tmp_path / "out")
+    if case == "unknown flag":
+        args += ["--actor.learning-rate", "1e-6"]
+        expected = "--actor.learning-rate"
+    elif case == "batch does not divide":
+        args += ["--data.batch-size", "3", "--rollout.n", "1"]
+        expected = "--data.batch-size 3"
+    elif case == "missing file":
+        args += ["--data.train-files", str(tmp_path / "nope.jsonl")]
+        expected = "--data.train-files"
+    else:
+        bad = tmp_path / "gpt2"
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        args[1] = bad
+        expected = "model_type 'gpt2' is not supported"
+    run = torchrun(str(RECIPES / "grpo.py"), 2, args, timeout=200)
+    assert not run.timed_out, run.output
+    assert run.returncode != 0, run.output
+    assert expected in run.output, run.output
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
