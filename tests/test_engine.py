@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hflow.engine import LLM, SamplingParams
+from hflow.engine import LLM, EngineConfig, SamplingParams
 from hflow.engine.attention import plan_buckets
 from hflow.engine.sampler import sample
 from hflow.engine.sequence import Sequence
@@ -268,6 +268,7 @@ def test_constructors_agree(saved):
     expected = _tokens(LLM.from_pretrained(path).generate(prompts, params))
     assert _tokens(LLM(model).generate(prompts, params)) == expected
     assert _tokens(LLM(model.state_dict(), config=model.config).generate(prompts, params)) == expected
+    assert _tokens(LLM(model, engine_config=EngineConfig(block_size=8)).generate(prompts, params)) == expected
     empty = LLM.from_config(model.config, dtype=torch.float32)
     empty.load_weights(model.state_dict().items())
     assert _tokens(empty.generate(prompts, params)) == expected

@@ -28,11 +28,14 @@ class LLM:
 
     Engine options are the fields of EngineConfig (block_size, num_kv_blocks or
     kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
-    enable_prefix_caching, tp_group); `device` and `dtype` place the weights and the cache.
+    enable_prefix_caching, tp_group), as keywords or as engine_config=EngineConfig(...);
+    `device` and `dtype` place the weights and the cache (default: the model's, else cpu/fp32).
+    `eos_token_ids` overrides the stop ids found in the generation config / model config.
     """
 
     def __init__(self, model, config=None, *, dtype: torch.dtype | None = None, device=None,
-                 eos_token_ids: list[int] | None = None, **engine_opts):
+                 eos_token_ids: list[int] | None = None, engine_config: EngineConfig | None = None,
+                 **engine_opts):
         state_dict = None
         if isinstance(model, nn.Module):
             hf_config = model.config
@@ -48,7 +51,10 @@ class LLM:
             hf_config, state_dict = config, model
         else:
             hf_config = model
-        self._build(hf_config, dtype or torch.float32, device or "cpu", eos_token_ids, EngineConfig(**engine_opts))
+        if engine_config is not None and engine_opts:
+            raise ValueError(f"give engine_config or engine options {sorted(engine_opts)}, not both")
+        cfg = engine_config or EngineConfig(**engine_opts)
+        self._build(hf_config, dtype or torch.float32, device or "cpu", eos_token_ids, cfg)
         if state_dict is not None:
             self.load_weights(state_dict.items())
 
@@ -56,7 +62,9 @@ class LLM:
     def from_config(cls, hf_config, dtype: torch.dtype = torch.float32, device=None, tp_group=None,
                     **engine_opts) -> "LLM":
         """The model with uninitialised weights (no copy of anything): fill with load_weights()."""
-        return cls(hf_config, dtype=dtype, device=device, tp_group=tp_group, **engine_opts)
+        if tp_group is not None:
+            engine_opts["tp_group"] = tp_group
+        return cls(hf_config, dtype=dtype, device=device, **engine_opts)
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device=None, **engine_opts) -> "LLM":
