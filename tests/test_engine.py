@@ -15,7 +15,7 @@ from hflow.engine.sampler import sample
 from hflow.engine.sequence import Sequence
 
 VOCAB, EOS = 96, 2
-PROMPT_LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 48, 64]
+PROMPT_LENGTHS = list(range(1, 65))
 
 
 def tiny_config(arch: str):
@@ -80,14 +80,12 @@ def test_greedy_matches_transformers_generate(saved, arch):
     path, model = saved[arch]
     llm = LLM.from_pretrained(path)
     prompts = prompts_of(PROMPT_LENGTHS, seed=len(arch))
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
-    stops = 0
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))  # one batch of all 64
     for prompt, out in zip(prompts, outs):
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
         got = out.outputs[0]
         assert got.token_ids == ref, f"{arch}, prompt of {len(prompt)} tokens"
         assert got.finish_reason == ("stop" if ref[-1] == EOS else "length")
-        stops += got.finish_reason == "stop"
         lp = reference_logprobs(model, prompt, got.token_ids, temperature=0)
         assert (lp - torch.tensor(got.logprobs)).abs().max() < 1e-4
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > len(outs) // 2  # not degenerate
