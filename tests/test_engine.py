@@ -149,7 +149,8 @@ def test_prefix_caching_and_preemption_give_the_same_tokens(saved):
     greedy = SamplingParams(n=2, temperature=0, max_tokens=24)
     sampled = SamplingParams(n=3, temperature=1.0, max_tokens=24, seed=11)
     results = []
-    for opts in (dict(), dict(enable_prefix_caching=False), dict(num_kv_blocks=9), dict(num_kv_blocks=9, max_num_seqs=3)):
+    for opts in (dict(), dict(enable_prefix_caching=False), dict(num_kv_blocks=9), dict(num_kv_blocks=9, max_num_seqs=3),
+                 dict(max_num_batched_tokens=40)):  # one prompt per prefill step
         llm = LLM.from_pretrained(path, **opts)
         g = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, greedy)]
         s = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sampled)]

@@ -80,11 +80,13 @@ class BlockManager:
             out.append((h, tokens, block))
         return out
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether the free list covers the blocks this sequence needs beyond shared hits."""
-        needed = -(-len(seq) // self.block_size)
-        shared = sum(1 for _, _, b in self._cached_prefix(seq) if b is not None and b.ref_count > 0)
-        return needed - shared <= len(self.free)
+    def can_allocate(self, seq: Sequence) -> int | None:
+        """The tokens the prefix cache would supply, or None when the free list cannot cover
+        the blocks this sequence needs beyond shared hits. Allocates nothing."""
+        prefix = self._cached_prefix(seq)
+        hits = [b for _, _, b in prefix if b is not None]
+        needed = -(-len(seq) // self.block_size) - sum(1 for b in hits if b.ref_count > 0)
+        return len(hits) * self.block_size if needed <= len(self.free) else None
 
     def allocate(self, seq: Sequence) -> None:
         """Give the sequence its block table; sets seq.num_cached_tokens.
@@ -98,7 +100,9 @@ class BlockManager:
         for h, tokens, block in prefix:
             if block is None:
                 block = self._take_free_block()
-                self._register(block, h, tokens)  # filled by this step's forward, before anyone reads it
+                # registered now, filled by this step's forward before any reader runs: so a
+                # sequence must be allocated only once it is certain to run in this step
+                self._register(block, h, tokens)
             else:
                 if block.ref_count == 0:
                     del self.free[block.block_id]

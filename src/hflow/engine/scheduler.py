@@ -35,14 +35,14 @@ class Scheduler:
         scheduled, num_tokens = [], 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            cached = self.block_manager.can_allocate(seq)
+            if cached is None:
                 break
-            self.block_manager.allocate(seq)
-            new_tokens = len(seq) - min(seq.num_cached_tokens, len(seq) - 1)
+            new_tokens = len(seq) - min(cached, len(seq) - 1)
             # one sequence alone may exceed the budget, otherwise a long prompt would never run
             if scheduled and num_tokens + new_tokens > self.max_num_batched_tokens:
-                self.block_manager.deallocate(seq)
                 break
+            self.block_manager.allocate(seq)  # only now: allocation registers uncomputed blocks
             num_tokens += new_tokens
             seq.status = Status.RUNNING
             self.waiting.popleft()
