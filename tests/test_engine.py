@@ -286,6 +286,22 @@ def test_clear_errors(saved):
         llm.load_weights([("model.norm.weight", torch.zeros(3, 3))])
     with pytest.raises(ValueError, match="KV blocks"):
         LLM.from_pretrained(path, num_kv_blocks=2).generate([[5] * 40], SamplingParams(max_tokens=10))
+    # an error in the middle of generate leaves the engine usable
+    prompts, params = prompts_of([20, 35]), SamplingParams(temperature=0, max_tokens=8)
+    expected = _tokens(llm.generate(prompts, params))
+    step, calls = llm.runner.step, []
+
+    def failing_step(seqs, is_prefill):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return step(seqs, is_prefill)
+    llm.runner.step = failing_step
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(prompts, params)
+    llm.runner.step = step
+    assert llm.block_manager.num_used_blocks == 0
+    assert _tokens(llm.generate(prompts, params)) == expected
 
 
 def test_plan_buckets_is_optimal():

@@ -210,16 +210,22 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=sum(len(r) for r in requests), desc="generating", unit="seq")
-        while not self.scheduler.is_finished():
-            seqs, is_prefill = self.scheduler.schedule()
-            seqs, tokens, logprobs = self.runner.step(seqs, is_prefill)
-            for seq, token, logprob in zip(seqs, tokens, logprobs):
-                seq.append(token, logprob)
-            done = self.scheduler.finish(seqs)
-            if bar is not None and done:
-                bar.update(len(done))
-        if bar is not None:
-            bar.close()
+        try:
+            while not self.scheduler.is_finished():
+                seqs, is_prefill = self.scheduler.schedule()
+                seqs, tokens, logprobs = self.runner.step(seqs, is_prefill)
+                for seq, token, logprob in zip(seqs, tokens, logprobs):
+                    seq.append(token, logprob)
+                done = self.scheduler.finish(seqs)
+                if bar is not None and done:
+                    bar.update(len(done))
+        except BaseException:
+            self.scheduler.abort_all()  # leave the engine usable: no blocks held, no stale prefixes
+            self.block_manager.reset_prefix_cache()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [RequestOutput(seqs[0].request_id, seqs[0].token_ids[:seqs[0].num_prompt_tokens],
                               [CompletionOutput(s.sample_index, s.completion_token_ids, s.logprobs, s.finish_reason)
                                for s in seqs])

@@ -65,6 +65,13 @@ class Scheduler:
             bm.append_slot(seq)
         return list(self.running), False
 
+    def abort_all(self) -> None:
+        """Drop every sequence (after an error mid-generate) and free their blocks."""
+        for seq in self.running:
+            self.block_manager.deallocate(seq)
+        self.running.clear()
+        self.waiting.clear()
+
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         seq.status = Status.WAITING
