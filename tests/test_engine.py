@@ -286,6 +286,9 @@ def test_clear_errors(saved):
         llm.load_weights([("model.norm.weight", torch.zeros(3, 3))])
     with pytest.raises(ValueError, match="KV blocks"):
         LLM.from_pretrained(path, num_kv_blocks=2).generate([[5] * 40], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match=r"outside \[0, 96\)"):
+        llm.generate([[5, 6], [7, VOCAB]])  # the first, valid request is dropped too
+    assert llm.scheduler.is_finished()
     # an error in the middle of generate leaves the engine usable
     prompts, params = prompts_of([20, 35]), SamplingParams(temperature=0, max_tokens=8)
     expected = _tokens(llm.generate(prompts, params))

@@ -205,12 +205,13 @@ class LLM:
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         self.block_manager.peak_used_blocks = self.block_manager.num_used_blocks
         self.scheduler.num_preemptions = 0
-        requests = [self._add_request(i, list(p), sp) for i, (p, sp) in enumerate(zip(prompt_token_ids, sampling_params))]
         bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=sum(len(r) for r in requests), desc="generating", unit="seq")
         try:
+            requests = [self._add_request(i, list(p), sp)
+                        for i, (p, sp) in enumerate(zip(prompt_token_ids, sampling_params))]
+            if use_tqdm:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=sum(len(r) for r in requests), desc="generating", unit="seq")
             while not self.scheduler.is_finished():
                 seqs, is_prefill = self.scheduler.schedule()
                 seqs, tokens, logprobs = self.runner.step(seqs, is_prefill)
