@@ -45,7 +45,7 @@ from hflow.workers import Actor, check_batch_sizes, Critic, Reference
 class PPOConfig:
     gamma: float = 1.0
     """Discount of GAE."""
-    lam: float = 0.95
+    lam: float = 1.0
     """GAE lambda."""
     kl_coef: float = 0.001
     """beta: weight of the KL penalty (in the reward, or as a loss with --algo.kl-loss); 0: no reference model."""
@@ -67,7 +67,7 @@ class PPOConfig:
     """Clip value predictions to old value +- this."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
-    critic_warmup: int = 0
+    critic_warmup: int = 5
     """Steps that train only the critic before the actor starts."""
 
 
@@ -83,7 +83,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=5))
     algo: PPOConfig = field(default_factory=PPOConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
-        steps=150, eval_every=50, output_dir="outputs/ppo"))
+        steps=250, eval_every=50, output_dir="outputs/ppo"))
 
 
 def actor_loss(log_probs, mb, entropy=None, *, algo: PPOConfig, kl_coef: float):

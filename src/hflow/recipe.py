@@ -21,9 +21,10 @@ from hflow.workers import Actor, ActorConfig, RolloutConfig
 from hflow.workers.layout import sequence_tensors
 
 
-def policy_and_prompts(cluster, model: ModelConfig, data: DataConfig):
+def policy_and_prompts(cluster, model: ModelConfig, data: DataConfig, warm_up: bool = True):
     """(policy directory, tokenizer, train prompts, held-out prompts), every input checked
-    before any work starts; the embedded default policy is warmed up (once) only after that."""
+    before any work starts; the embedded default policy is warmed up (once, cached) only after
+    that, unless `warm_up` is False."""
     from transformers import AutoTokenizer
 
     from hflow.default_model import default_model_dir
@@ -32,7 +33,7 @@ def policy_and_prompts(cluster, model: ModelConfig, data: DataConfig):
     check_policy_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     train, val = load_prompts(data, tokenizer, "train"), load_prompts(data, tokenizer, "val")
-    if not model.path:
+    if not model.path and warm_up:
         path = default_policy(cluster, model.default_size, model.default_seed)
     return str(path), tokenizer, train, val
 
@@ -138,7 +139,7 @@ def supervised_training(actor, train: PromptDataset, val: PromptDataset | None, 
     return reward
 
 
-def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float = 0.4,
+def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float = 0.3,
                    max_steps: int = 1500, cache_dir=None) -> Path:
     """The embedded default policy: hflow's own small Qwen2 model, supervised on the built-in
     arithmetic task until its greedy held-out accuracy reaches `stop_at` (RL gets almost no
@@ -154,13 +155,13 @@ def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float
     tokenizer = AutoTokenizer.from_pretrained(base)
     data = DataConfig(task="arithmetic", task_seed=seed)
     train, val = load_prompts(data, tokenizer, "train"), load_prompts(data, tokenizer, "val")
-    optim = dataclasses.replace(ActorConfig().optim, lr=1e-3, warmup_steps=100, schedule="constant")
+    optim = dataclasses.replace(ActorConfig().optim, lr=1e-3, warmup_steps=100)
     cfg = ActorConfig(model_path=str(base), optim=optim, micro_batch_size=128)
     actor = cluster.spawn(Actor, cfg)
     print(f"warming up the embedded default model ({base.name}) until held-out accuracy {stop_at}"
           f" (once; cached in {final})", flush=True)
     reward = supervised_training(actor, train, val, tokenizer, Scorer(RewardConfig(fn="arithmetic")),
-                                 steps=max_steps, batch_size=128, eval_every=50, eval_size=500,
+                                 steps=max_steps, batch_size=128, eval_every=25, eval_size=200,
                                  stop_at=stop_at, max_tokens=5, seed=seed)
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     actor.export_hf(str(tmp), str(base))
