@@ -67,7 +67,7 @@ class PPOConfig:
     """Clip value predictions to old value +- this."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
-    critic_warmup: int = 5
+    critic_warmup: int = 20
     """Steps that train only the critic before the actor starts."""
 
 
@@ -77,9 +77,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(
-        optim=OptimConfig(lr=2e-4), micro_batch_size=64))
+        optim=OptimConfig(lr=1e-4), micro_batch_size=64))
     critic: CriticConfig = field(default_factory=lambda: CriticConfig(
-        optim=OptimConfig(lr=5e-4), micro_batch_size=64))
+        optim=OptimConfig(lr=2e-3), micro_batch_size=64))
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=5))
     algo: PPOConfig = field(default_factory=PPOConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
