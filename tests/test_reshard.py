@@ -53,7 +53,7 @@ def test_tensor_parallel_dims():
 
 
 RESHARD = """
-import re, sys, torch, torch.distributed as dist
+import os, re, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig
 from hflow.reshard import (CollectiveBytes, generation_mesh, generation_shard, generation_weights,
@@ -108,8 +108,11 @@ for tp in tps:
     print(f"rank {rank} tp {tp}: peak {mem.peak} one layer {one_layer} all {total}", flush=True)
     assert 0 < mem.peak <= one_layer, (mem.peak, one_layer)
     assert all(torch.equal(engine[n], shards[n]) for n in shards)
-dist.barrier()   # no rank tears its groups down while a peer still uses them
-dist.destroy_process_group()
+# Tearing down gloo sub-groups of a world-built DeviceMesh sometimes aborts one rank at exit
+# ("terminate called without an active exception") after every check passed: leave at once.
+dist.barrier()
+sys.stdout.flush()
+os._exit(0)
 """
 
 
