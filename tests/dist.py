@@ -27,18 +27,24 @@ class Run:
         return self
 
 
+def script_path(script: str, tmp_path) -> str:
+    """`script` itself when it is a path; Python source (it has a newline) is written to a file."""
+    if "\n" not in script:
+        return script
+    assert tmp_path is not None, "pass tmp_path to run inline source"
+    path = os.path.join(str(tmp_path), f"script_{free_port()}.py")
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(script))
+    return path
+
+
 def torchrun(script: str, nproc: int, args=(), timeout: float = 300, tmp_path=None, env=None) -> Run:
     """Run `script` (a path, or Python source when it contains a newline) on `nproc` CPU ranks.
 
     The whole process group is killed at `timeout`, so a deadlock fails the test instead of
     hanging CI.
     """
-    if "\n" in script:
-        assert tmp_path is not None, "pass tmp_path to run inline source"
-        path = os.path.join(str(tmp_path), f"script_{free_port()}.py")
-        with open(path, "w") as f:
-            f.write(textwrap.dedent(script))
-        script = path
+    script = script_path(script, tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), script, *map(str, args)]
@@ -107,12 +113,7 @@ def run_ranks(script: str, nproc: int, args=(), timeout: float = 300, tmp_path=N
     how the ranks end on their own, each with its own exit code. Any rank still alive at
     `timeout` is killed and the run counts as timed out."""
     import time
-    if "\n" in script:
-        assert tmp_path is not None, "pass tmp_path to run inline source"
-        path = os.path.join(str(tmp_path), f"script_{free_port()}.py")
-        with open(path, "w") as f:
-            f.write(textwrap.dedent(script))
-        script = path
+    script = script_path(script, tmp_path)
     port = free_port()
     procs, files = [], []
     start = time.monotonic()
