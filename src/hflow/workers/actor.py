@@ -15,8 +15,8 @@ function or a functools.partial of one) to reach the workers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Literal
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from tyro.conf import Suppress
@@ -25,29 +25,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
 from hflow.workers import layout
-from hflow.workers.base import ModelWorker, as_tensors, batch_meta
-from hflow.workers.fsdp import FSDPConfig, OptimConfig, build_model
+from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta
+from hflow.workers.fsdp import build_model
 from hflow.workers.rollout import Rollout, RolloutConfig, prompt_token_lists, rollout_batch
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(TrainingConfig):
     """The policy model and how it is trained."""
 
     model_path: Suppress[str] = ""
     """Hugging Face directory of the policy (config.json + safetensors); recipes set it from --model.path"""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    epochs: int = 1
-    """passes over each batch (PPO epochs)"""
-    mini_batch_size: int = 0
-    """prompts per optimizer step, each with its rollout.n samples (0: the whole batch)"""
-    micro_batch_size: int = 8
-    """sequences per forward/backward on one rank"""
-    max_tokens_per_micro_batch: int = 0
-    """token budget of a micro-batch on one rank, balanced over ranks (0: use micro_batch_size)"""
-    loss_weighting: Literal["tokens", "sequences"] = "tokens"
-    """micro-batch losses add up weighted by response tokens (token-mean losses) or by sequences (seq-mean losses)"""
 
 
 class Actor(ModelWorker):

@@ -12,7 +12,8 @@ and since FSDP averages gradients over the D ranks, each rank back-propagates D 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,25 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.dispatch import dispatch
 from hflow.workers import layout
-from hflow.workers.fsdp import all_reduce_sum, build_optimizer, clip_grad_norm_, device_of
+from hflow.workers.fsdp import FSDPConfig, OptimConfig, all_reduce_sum, build_optimizer, clip_grad_norm_, device_of
+
+
+@dataclass
+class TrainingConfig:
+    """How a trainable model is optimised, sharded and batched (the Actor's and the Critic's)."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    epochs: int = 1
+    """passes over each batch (PPO epochs)"""
+    mini_batch_size: int = 0
+    """prompts per optimizer step, each with its rollout.n samples (0: the whole batch)"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward on one rank"""
+    max_tokens_per_micro_batch: int = 0
+    """token budget of a micro-batch on one rank, balanced over ranks (0: use micro_batch_size)"""
+    loss_weighting: Literal["tokens", "sequences"] = "tokens"
+    """micro-batch losses add up weighted by response tokens (token-mean losses) or by sequences (seq-mean losses)"""
 
 
 def as_tensors(batch) -> dict[str, torch.Tensor]:

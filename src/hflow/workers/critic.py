@@ -6,7 +6,7 @@ position P + t - 1 — the same position whose logits give the token's log-prob.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -14,28 +14,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
 from hflow.workers import layout
-from hflow.workers.base import ModelWorker, as_tensors, batch_meta
-from hflow.workers.fsdp import FSDPConfig, OptimConfig, build_model
+from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta
+from hflow.workers.fsdp import OptimConfig, build_model
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(TrainingConfig):
     """The value model and how it is trained."""
 
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     model_path: str = ""
     """Hugging Face directory of the value model; a causal LM (e.g. the actor's) gets a new scalar head"""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    epochs: int = 1
-    """passes over each batch"""
-    mini_batch_size: int = 0
-    """prompts per optimizer step, each with its rollout.n samples (0: the whole batch)"""
-    micro_batch_size: int = 8
-    """sequences per forward/backward on one rank"""
-    max_tokens_per_micro_batch: int = 0
-    """token budget of a micro-batch on one rank, balanced over ranks (0: use micro_batch_size)"""
-    loss_weighting: Literal["tokens", "sequences"] = "tokens"
-    """micro-batch losses add up weighted by response tokens (token-mean losses) or by sequences"""
     head_init_seed: int = 0
     """seed of the new value head's initialisation"""
 
