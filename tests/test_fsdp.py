@@ -193,10 +193,12 @@ def ppo_loss(logp, mb, entropy=None):
 saved = {}
 for weighting in ("tokens", "sequences"):
     # different micro-batching on each layout: by count on 1 rank, by token budget on 2
-    # (and activation checkpointing on 2 ranks: it recomputes, it must not change anything)
+    # (and activation checkpointing on 2 ranks: it recomputes, it must not change anything;
+    # nor must keeping the gathered parameters from the forward to the backward)
     cfg = ActorConfig(model_path=path, mini_batch_size=2, epochs=2, loss_weighting=weighting,
                       micro_batch_size=3, max_tokens_per_micro_batch=0 if world == 1 else 24,
-                      fsdp=FSDPConfig(activation_checkpointing=world == 2),
+                      fsdp=FSDPConfig(activation_checkpointing=world == 2,
+                                      reshard_after_forward=world == 1 or weighting == "tokens"),
                       optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=20,
                                         grad_clip=0.5))
     actor = Actor(mesh, cfg)

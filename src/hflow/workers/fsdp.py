@@ -74,6 +74,8 @@ class FSDPConfig:
     """keep sharded parameters, gradients and optimizer state in CPU memory (GPU only)"""
     activation_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward pass"""
+    reshard_after_forward: bool = True
+    """free each layer's gathered parameters after its forward (False: keep them for the backward, one all-gather fewer per step, more memory)"""
     row_parallel_on_dim1: bool = True
     """shard o_proj/down_proj on their input dim, as tensor parallelism does (cheaper resharding)"""
 
@@ -143,7 +145,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Modul
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cfg.cpu_offload and device.type != "cpu" \
         else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision(cfg, device), offload_policy=offload,
-                  shard_placement_fn=placement, reshard_after_forward=True)
+                  shard_placement_fn=placement, reshard_after_forward=cfg.reshard_after_forward)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
