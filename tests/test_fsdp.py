@@ -171,6 +171,7 @@ def test_log_probs_equal_transformers_forward(tmp_path, tie):
 TRAIN = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig
 from test_fsdp import random_rollouts
 torch.set_num_threads(1)
@@ -205,7 +206,10 @@ for weighting in ("tokens", "sequences"):
     metrics = []
     for step in range(3):
         batch = random_rollouts(4, 2, 101, seed=10 + step)
-        metrics.append(actor.update({k: v.chunk(world)[rank] for k, v in batch.items()}, ppo_loss))
+        local = {k: v.chunk(world)[rank] for k, v in batch.items()}
+        actor.log_probs(local)   # a forward with no backward must leave the weights sharded
+        assert all(isinstance(p, DTensor) for p in actor.model.parameters())
+        metrics.append(actor.update(local, ppo_loss))
     saved[weighting] = {"metrics": metrics,
                         "weights": {n: p.full_tensor() for n, p in actor.model.named_parameters()}}
 if rank == 0:

@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.dispatch import dispatch
 from hflow.workers import layout
-from hflow.workers.fsdp import FSDPConfig, OptimConfig, all_reduce_sum, build_optimizer, clip_grad_norm_, device_of
+from hflow.workers.fsdp import (FSDPConfig, OptimConfig, all_reduce_sum, build_optimizer, clip_grad_norm_, device_of,
+                               reshard)
 
 
 @dataclass
@@ -133,6 +134,7 @@ class ModelWorker:
                     out[key][rows, :r] = value * mask[rows, :r]
                 else:
                     out[key][rows] = value
+        reshard(self.model)
         return out
 
     # ---- training --------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -126,6 +126,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if layers is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers found at .{model.base_model_prefix}.layers")
     return list(layers)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter: with reshard_after_forward off, a forward without a
+    backward leaves them gathered, and the engine and the optimizer must see the shards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
