@@ -57,6 +57,4 @@ class TrainerConfig:
     """Export the final actor as a Hugging Face directory (output_dir/actor_hf)."""
     placement: Literal["colocate", "split"] = "colocate"
     """colocate: every model on every rank; split: actor+reference on half the ranks, critic on the other half."""
-    seed: int = 0
-    """Seed of everything the controller draws."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

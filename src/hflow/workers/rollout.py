@@ -56,13 +56,6 @@ class RolloutConfig:
     """tokens per KV-cache block"""
 
 
-def option(cfg, name: str):
-    """A RolloutConfig field, or its default when `cfg` is another config object that lacks it
-    (a recipe's own rollout config needs only n, temperature, top_p, top_k, max_tokens, seed,
-    tp_size, kv_cache_bytes and max_num_seqs)."""
-    return getattr(cfg, name, RolloutConfig.__dataclass_fields__[name].default)
-
-
 class Rollout:
     """The engine of one actor rank and the generation mesh it is fed through."""
 
@@ -83,12 +76,12 @@ class Rollout:
             return self.llm
         self.llm = None  # free the engine of another tp size first
         self.gen_mesh = generation_mesh(self.train_mesh, cfg.tp_size, make_mesh)
-        options = {"max_num_seqs": cfg.max_num_seqs, "block_size": option(cfg, "block_size"),
-                   "enable_prefix_caching": option(cfg, "enable_prefix_caching")}
+        options = {"max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
+                   "enable_prefix_caching": cfg.enable_prefix_caching}
         if cfg.kv_cache_bytes:
             options["kv_cache_bytes"] = cfg.kv_cache_bytes
-        if option(cfg, "max_model_len"):
-            options["max_model_len"] = option(cfg, "max_model_len")
+        if cfg.max_model_len:
+            options["max_model_len"] = cfg.max_model_len
         config = self.model.config
         self.llm = LLM.from_config(config, dtype=self.dtype, device=self.device,
                                    tp_group=self.gen_mesh.get_group("tp") if cfg.tp_size > 1 else None,
@@ -115,9 +108,9 @@ class Rollout:
             pooled = [prompts]
         params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 max_tokens=cfg.max_tokens, seed=cfg.seed)
-        show = option(cfg, "progress") and self.train_mesh.get_local_rank() == 0
+        show = cfg.progress and self.train_mesh.get_local_rank() == 0
         outputs = llm.generate([p for part in pooled for p in part], params, use_tqdm=show)
-        llm.sleep(level=2 if option(cfg, "free_weights_when_asleep") else 1)
+        llm.sleep(level=2 if cfg.free_weights_when_asleep else 1)
         mine = self.gen_mesh.get_local_rank("tp")
         start = sum(len(part) for part in pooled[:mine])
         return outputs[start:start + len(prompts)]
