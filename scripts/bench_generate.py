@@ -1,10 +1,16 @@
 """Generation throughput, side by side in one process: hflow.engine vs transformers.
 
-RL-shaped workload: P prompts of 8-96 random tokens, n samples each, temperature 1, up to
-96 new tokens, on a random ~25M-parameter Qwen2 (hidden 512, 8 layers, 8 query / 4 KV heads,
-vocab 4096, tied embeddings), fp32. The random model's next-token distribution is almost
-uniform; its EOS logit is lifted by a constant so that every step ends a sequence with
-probability ~--eos-prob, which gives completion lengths that vary like an RL batch's.
+Workloads (`--workload`), each on a random Qwen2, fp32, sampling at temperature 1:
+  large       (the default) 32 prompts of 8-96 tokens x n=4, <= 96 new tokens, lengths vary
+              (mean ~50); ~25M params (hidden 512, 8 layers, 8 query / 4 KV heads, vocab 4096).
+  default     the recipes' embedded default task: 32 prompts of 6-8 tokens ("12+35=") x n=8,
+              <= 5 new tokens (EOS prob 0.2/token: mean ~3.4, as a trained policy answers
+              "47<eos>"); the default model's size (hidden 256, 4 layers, vocab 512).
+  grpo-equal  16 prompts of 8-64 tokens x n=4, <= 32 new tokens, no EOS (all full length); 25M.
+  grpo-vary   the same with <= 96 new tokens and EOS prob 0.015 (mean length ~50).
+`--per-rank` runs one rank's share of a 2-rank run: half the prompts on one thread.
+The random model's next-token distribution is almost uniform; its EOS logit is lifted by a
+constant so that every step ends a sequence with probability ~--eos-prob.
 
 Peers (same model, same prompts): `generate` on one left-padded batch with
 num_return_sequences=n, and `generate_batch` (transformers' own continuous batching).
@@ -13,8 +19,14 @@ Each engine runs once untimed on a small batch (warm-up), then the timed workloa
 and including EOS) / wall time. The process CPU time is printed too: on a shared machine a
 wall time far above it means the run was starved.
 
+`--profile` runs only hflow: the mean wall time of a decode step (plain, then under
+torch.profiler split into scheduling/bookkeeping, metadata, forward, sampling), the time in
+torch ops per decode step (the sum of every op's self CPU time inside the step), the Python
+overhead = profiled step wall time - time in torch ops, and the top ops.
+
     python scripts/bench_generate.py                     # the full comparison (~1 min idle)
-    python scripts/bench_generate.py --prompts 8 --peers generate   # a quick look
+    python scripts/bench_generate.py --workload grpo-equal --per-rank --peers generate --repeat 5
+    python scripts/bench_generate.py --workload default --profile
 """
 from __future__ import annotations
 
@@ -25,12 +37,25 @@ import time
 import torch
 
 
-def make_model(vocab: int, eos: int, eos_prob: float, seed: int = 0):
+# model sizes: hidden, layers, query heads, KV heads, intermediate, vocab
+SIZES = {"25m": (512, 8, 8, 4, 1376, 4096), "default": (256, 4, 4, 2, 1024, 512)}
+# model, prompts, n, prompt lengths, max new tokens, EOS prob per token
+WORKLOADS = {
+    "large": dict(size="25m", prompts=32, n=4, lengths=(8, 96), max_new_tokens=96, eos_prob=0.015),
+    "default": dict(size="default", prompts=32, n=8, lengths=(6, 8), max_new_tokens=5, eos_prob=0.2),
+    "grpo-equal": dict(size="25m", prompts=16, n=4, lengths=(8, 64), max_new_tokens=32, eos_prob=0.0),
+    "grpo-vary": dict(size="25m", prompts=16, n=4, lengths=(8, 64), max_new_tokens=96, eos_prob=0.015),
+}
+
+
+def make_model(size: str, eos_prob: float, seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    hidden, layers, heads, kv_heads, inter, vocab = SIZES[size]
+    eos = vocab - 1
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
                       tie_word_embeddings=True, eos_token_id=eos, bos_token_id=eos, pad_token_id=eos)
     model = Qwen2ForCausalLM(cfg).eval()
     # Hidden dim 0 of every embedding is a constant 1, so after the final RMSNorm h[0] is large
@@ -40,16 +65,17 @@ def make_model(vocab: int, eos: int, eos_prob: float, seed: int = 0):
     prompts = torch.randint(0, vocab, (16, 64))
     with torch.no_grad():
         h0 = model.model(prompts).last_hidden_state[..., 0].mean().item()
+    eos_prob = max(eos_prob, 1e-9)  # 0: EOS practically never sampled
     delta = math.log(eos_prob * (vocab - 1) / (1 - eos_prob)) / h0
     emb[eos, 0] = 1.0 + delta
-    return model
+    return model, eos
 
 
-def make_prompts(num: int, vocab: int, eos: int, seed: int = 1) -> list[list[int]]:
+def make_prompts(num: int, lengths: tuple[int, int], vocab: int, eos: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(num):
-        length = int(torch.randint(8, 97, (), generator=g))
+        length = int(torch.randint(lengths[0], lengths[1] + 1, (), generator=g))
         ids = torch.randint(0, vocab - 1, (length,), generator=g)
         out.append([int(t) + (int(t) >= eos) for t in ids])  # no EOS inside prompts
     return out
@@ -70,6 +96,7 @@ def setup_hflow(model, prompts, n, max_new, eos, seed):
     def run():
         outs = llm.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_new, seed=seed))
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
+    run.llm = llm
     return run
 
 
@@ -104,26 +131,116 @@ def setup_generate_batch(model, prompts, n, max_new, eos, seed):
 ENGINES = {"hflow": setup_hflow, "generate": setup_generate, "generate_batch": setup_generate_batch}
 
 
+# the engine's methods timed by --profile (label -> (owner, attribute)); a decode step's share
+CATEGORIES = {"scheduling/bookkeeping": ("schedule", "postprocess"), "metadata": ("prepare",),
+              "model forward": ("forward", "logits"), "sampling": ("sample",)}
+
+
+def profile_hflow(run, repeat: int) -> None:
+    """Decode-step wall time, plain and under torch.profiler, split by engine phase."""
+    import hflow.engine.model_runner as model_runner
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    llm = run.llm
+    plain: dict[bool, list[float]] = {True: [], False: []}
+    step = llm.step
+
+    def timed_step():
+        t = time.perf_counter()
+        done, is_prefill = step()
+        plain[is_prefill].append(time.perf_counter() - t)
+        return done, is_prefill
+    llm.step = timed_step
+    for _ in range(repeat):
+        run()
+    del llm.step
+
+    targets = {"step": (llm, "step"), "schedule": (llm.scheduler, "schedule"),
+               "postprocess": (llm.scheduler, "postprocess"), "prepare": (llm.runner, "_prepare_decode"),
+               "forward": (llm.model, "forward"), "logits": (llm.model, "compute_logits"),
+               "sample": (model_runner, "sample")}
+    saved = {label: (getattr(owner, attr), attr in vars(owner)) for label, (owner, attr) in targets.items()}
+    for label, (owner, attr) in targets.items():
+        fn = saved[label][0]
+
+        def wrapped(*a, _fn=fn, _label="hflow::" + label, **k):
+            with record_function(_label):
+                return _fn(*a, **k)
+        setattr(owner, attr, wrapped)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(repeat):
+                run()
+    finally:
+        for label, (owner, attr) in targets.items():  # module functions back, instances' copies gone
+            setattr(owner, attr, saved[label][0]) if saved[label][1] else delattr(owner, attr)
+
+    def walk(e):
+        for c in e.cpu_children:
+            yield c
+            yield from walk(c)
+    decode = []  # per decode step: wall, {label: time}, time in ops, top-level op calls
+    for e in prof.events():
+        if e.name != "hflow::step":
+            continue
+        inner = list(walk(e))
+        labels = {c.name[7:]: 0.0 for c in inner if c.name.startswith("hflow::")}
+        if "prepare" not in labels:
+            continue  # a prefill step
+        for c in inner:
+            if c.name.startswith("hflow::"):
+                labels[c.name[7:]] += c.cpu_time_total
+        ops = [c for c in inner if not c.name.startswith("hflow::")]
+        top = [c for c in ops if c.cpu_parent is None or c.cpu_parent.name.startswith("hflow::")]
+        decode.append((e.cpu_time_total, labels, sum(c.self_cpu_time_total for c in ops), len(top)))
+    k = len(decode)
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    wall, in_ops = mean([d[0] for d in decode]) / 1e3, mean([d[2] for d in decode]) / 1e3
+    print(f"decode steps: {k // repeat} per run; plain wall {1e3 * mean(plain[False]):.2f} ms/step, "
+          f"prefill {1e3 * mean(plain[True]):.2f} ms/step ({len(plain[True]) // repeat} per run)")
+    print(f"under the profiler: {wall:.2f} ms/step, of which")
+    shown = 0.0
+    for cat, labels in CATEGORIES.items():
+        t = mean([sum(d[1].get(x, 0.0) for x in labels) for d in decode]) / 1e3
+        shown += t
+        print(f"  {cat:>24}: {t:6.2f} ms ({100 * t / wall:4.1f} %)")
+    print(f"  {'other (in step)':>24}: {wall - shown:6.2f} ms ({100 * (wall - shown) / wall:4.1f} %)")
+    print(f"time in torch ops {in_ops:.2f} ms/step ({mean([d[3] for d in decode]):.0f} top-level op calls); "
+          f"Python overhead = step - ops = {wall - in_ops:.2f} ms/step ({100 * (1 - in_ops / wall):.0f} %)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--eos-prob", type=float, default=0.015, help="per-token EOS probability")
-    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="large")
+    ap.add_argument("--prompts", type=int, help="default: the workload's")
+    ap.add_argument("--n", type=int, help="default: the workload's")
+    ap.add_argument("--max-new-tokens", type=int, help="default: the workload's")
+    ap.add_argument("--eos-prob", type=float, help="per-token EOS probability; default: the workload's")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--per-rank", action="store_true",
+                    help="one rank of a 2-rank run: half the prompts, on 1 thread")
     ap.add_argument("--peers", default="generate,generate_batch", help="comma list, or '' for hflow only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per engine (interleaved); best is kept")
+    ap.add_argument("--profile", action="store_true", help="profile hflow's decode steps (no peers)")
     args = ap.parse_args()
+    w = WORKLOADS[args.workload]
+    for key in ("prompts", "n", "max_new_tokens", "eos_prob"):
+        if getattr(args, key) is None:
+            setattr(args, key, w[key])
+    if args.per_rank:
+        args.prompts, args.threads = args.prompts // 2, 1
 
     torch.set_num_threads(args.threads)
-    eos = args.vocab - 1
-    model = make_model(args.vocab, eos, args.eos_prob, args.seed)
-    prompts = make_prompts(args.prompts, args.vocab, eos, args.seed + 1)
+    model, eos = make_model(w["size"], args.eos_prob, args.seed)
+    prompts = make_prompts(args.prompts, w["lengths"], model.config.vocab_size, eos, args.seed + 1)
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: Qwen2 {params / 1e6:.1f}M params, fp32, {args.threads} threads; workload: {args.prompts} "
-          f"prompts x n={args.n}, <= {args.max_new_tokens} new tokens, EOS prob {args.eos_prob}/token")
+    print(f"model: Qwen2 {params / 1e6:.1f}M params, fp32, {args.threads} threads; workload {args.workload}: "
+          f"{args.prompts} prompts of {w['lengths'][0]}-{w['lengths'][1]} tokens x n={args.n}, "
+          f"<= {args.max_new_tokens} new tokens, EOS prob {args.eos_prob}/token")
+    if args.profile:
+        return profile_hflow(setup_hflow(model, prompts, args.n, args.max_new_tokens, eos, args.seed), args.repeat)
 
     names = ["hflow"] + [p for p in args.peers.split(",") if p]
     runs = {name: ENGINES[name](model, prompts, args.n, args.max_new_tokens, eos, args.seed) for name in names}
@@ -133,14 +250,14 @@ def main():
             cpu, start = time.process_time(), time.perf_counter()
             tokens = runs[name]()
             dt, cpu = time.perf_counter() - start, time.process_time() - cpu
-            print(f"  [{rep + 1}/{args.repeat}] {name}: {tokens} tokens in {dt:.2f} s "
+            print(f"  [{rep + 1}/{args.repeat}] {name}: {tokens} tokens in {dt:.3f} s "
                   f"(process CPU {cpu:.1f} s)", flush=True)
             if name not in best or tokens / dt > best[name][0]:
                 best[name] = (tokens / dt, tokens, dt)
     print(f"best of {args.repeat}:")
     for name in names:
         rate, tokens, dt = best[name]
-        print(f"{name:>15}: {tokens:6d} tokens in {dt:6.2f} s = {rate:7.1f} tok/s "
+        print(f"{name:>15}: {tokens:6d} tokens in {dt:6.3f} s = {rate:7.1f} tok/s "
               f"(mean completion {tokens / (args.prompts * args.n):.1f} tokens)")
     peers = {k: v[0] for k, v in best.items() if k != "hflow"}
     if peers:

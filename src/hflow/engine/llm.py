@@ -213,11 +213,7 @@ class LLM:
                 from tqdm.auto import tqdm
                 bar = tqdm(total=sum(len(r) for r in requests), desc="generating", unit="seq")
             while not self.scheduler.is_finished():
-                seqs, is_prefill = self.scheduler.schedule()
-                seqs, tokens, logprobs = self.runner.step(seqs, is_prefill)
-                for seq, token, logprob in zip(seqs, tokens, logprobs):
-                    seq.append(token, logprob)
-                done = self.scheduler.finish(seqs)
+                done, _ = self.step()
                 if bar is not None and done:
                     bar.update(len(done))
         except BaseException:
@@ -231,6 +227,13 @@ class LLM:
                               [CompletionOutput(s.sample_index, s.completion_token_ids, s.logprobs, s.finish_reason)
                                for s in seqs])
                 for seqs in requests]
+
+    def step(self) -> tuple[list[Sequence], bool]:
+        """One engine step: schedule, run the model, append the sampled tokens.
+        Returns (the sequences that finished, whether it was a prefill step)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        seqs, tokens, logprobs = self.runner.step(seqs, is_prefill)
+        return self.scheduler.postprocess(seqs, tokens, logprobs), is_prefill
 
     def _add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> list[Sequence]:
         vocab = self.hf_config.vocab_size

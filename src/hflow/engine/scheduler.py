@@ -78,8 +78,11 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def finish(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Free the blocks of the sequences that finished in the last step; return them."""
+    def postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[Sequence]:
+        """Append each sequence's sampled token; free the blocks of the sequences that
+        finished; return them."""
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.append(token, logprob)
         done = [s for s in seqs if s.status == Status.FINISHED]
         if done:
             for seq in done:
