@@ -244,5 +244,7 @@ def test_one_rank_and_two_ranks_train_the_same(tmp_path):
                 # Its gradient is exactly 0 in exact arithmetic (a key bias shifts all of a
                 # query's scores equally): Adam's normalisation turns rounding noise into steps.
                 continue
-            torch.testing.assert_close(w1, two["weights"][name], rtol=1e-5, atol=1e-6)
+            # atol 2e-6: the seq-mean case's worst element differs by 1.35e-6 both with padded
+            # micro-batches and with packed ones (fp32 rounding through 6 Adam steps at lr 1e-2)
+            torch.testing.assert_close(w1, two["weights"][name], rtol=1e-5, atol=2e-6)
         assert moved > 1e-3, "training did not change the weights"

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
-from hflow.workers import layout
+from hflow.workers import layout, packing
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta
 from hflow.workers.fsdp import build_model
 from hflow.workers.rollout import Rollout, RolloutConfig, prompt_token_lists, rollout_batch
@@ -53,14 +53,12 @@ class Actor(ModelWorker):
         self.rollout = Rollout(mesh, model, cfg.model_path, cfg.fsdp) if self.trainable else None
 
     def _log_probs(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
-        """Per-token log-probs of the responses: logits at positions P-1 .. P+R-2 predict the
-        R response tokens; only those R+1 positions go through the LM head."""
-        R = mb["response_mask"].shape[1]
-        out = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                         position_ids=layout.position_ids(mb["attention_mask"]),
-                         use_cache=False, logits_to_keep=R + 1)
-        responses = mb["input_ids"][:, mb["input_ids"].shape[1] - R:]
-        return layout.token_log_probs(out.logits[:, :-1], responses, temperature, with_entropy)
+        """Per-token log-probs [b, R] of the responses, from one forward over the packed real
+        tokens; only the positions that predict a response token go through the LM head."""
+        packed = packing.pack(mb)
+        out = self.model(**packed.model_inputs(), logits_to_keep=packed.predict_at)
+        logp, entropy = layout.token_log_probs(out.logits[0], packed.targets, temperature, with_entropy)
+        return packed.unpack(logp), None if entropy is None else packed.unpack(entropy)
 
     @dispatch("dp")
     @torch.no_grad()

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
-from hflow.workers import layout
+from hflow.workers import layout, packing
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta
 from hflow.workers.fsdp import OptimConfig, build_model
 
@@ -42,11 +42,9 @@ class Critic(ModelWorker):
         super().__init__(mesh, model, cfg, cfg.optim)
 
     def _values(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        R = mb["response_mask"].shape[1]
-        L = mb["input_ids"].shape[1]
-        out = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                         position_ids=layout.position_ids(mb["attention_mask"]), use_cache=False)
-        return out.logits[:, L - R - 1:L - 1, 0].float()
+        packed = packing.pack(mb)
+        out = self.model(**packed.model_inputs())
+        return packed.unpack(out.logits[0, packed.predict_at, 0].float())
 
     @dispatch("dp")
     @torch.no_grad()

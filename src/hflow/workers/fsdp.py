@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
+from hflow.workers.packing import register_attention
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -289,7 +290,8 @@ def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causa
         config.num_labels = 1
         config.classifier_dropout = 0.0  # a value head must be deterministic in training mode
     with params_on_meta():
-        model = auto.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        # every pass of a worker runs on packed sequences (hflow/workers/packing.py)
+        model = auto.from_config(config, dtype=torch.float32, attn_implementation=register_attention())
     model.requires_grad_(trainable)
     shard_model(model, mesh, cfg)
     materialize(model, mesh, cfg)

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
-from hflow.workers import layout
+from hflow.workers import layout, packing
 from hflow.workers.base import ModelWorker, as_tensors
 from hflow.workers.fsdp import FSDPConfig, build_model
 
@@ -49,13 +49,10 @@ class RewardModel(ModelWorker):
         self._per_token = output
 
     def _scores(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        mask = mb["attention_mask"]
-        self.model(input_ids=mb["input_ids"], attention_mask=mask,
-                   position_ids=layout.position_ids(mask), use_cache=False)
+        packed = packing.pack(mb)
+        self.model(**packed.model_inputs())
         per_token, self._per_token = self._per_token, None
-        P = layout.prompt_length(mb)
-        last = P - 1 + mask[:, P:].sum(-1)  # responses are right-padded
-        return per_token[torch.arange(len(last), device=last.device), last, 0].float()
+        return per_token[0, packed.last, 0].float()
 
     @dispatch("dp")
     @torch.no_grad()
