@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import tyro
@@ -34,7 +35,7 @@ from hflow.metrics import MetricsLogger, Timer
 from hflow.placement import colocate, split
 from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, resume_run, rollout_metrics, save_run, score
 from hflow.rewards import Scorer
-from hflow.workers import Actor, check_batch_sizes, Reference
+from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference
 
 
 @dataclass
@@ -51,6 +52,8 @@ class GRPOConfig:
     """Divide by the group's std (False: Dr.GRPO)."""
     loss_agg: str = "token-mean"
     """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    old_log_probs: Literal["recompute", "rollout"] = "recompute"
+    """Old log-probs of an off-policy update (several epochs or mini-batches): a forward pass of the actor, or the engine's own (equal in fp32, not in bf16). An on-policy update needs neither."""
 
 
 @dataclass
@@ -100,6 +103,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
         log.log(0, evaluate_now())
 
     loss_fn = functools.partial(grpo_loss, algo=cfg.algo)
+    on_policy = is_on_policy(cfg.actor, cfg.data.batch_size)
     timer = Timer()
     while step < cfg.trainer.steps:
         step += 1
@@ -112,14 +116,20 @@ def main(cluster: hflow.Cluster, cfg: Config):
             groups = torch.arange(len(batch)) // cfg.rollout.n       # the n samples of a prompt are adjacent
             batch["advantages"] = algos.grpo_advantages(scores, groups, mask, cfg.algo.norm_by_std)
             with timer("log_probs"):
-                old = actor.log_probs.future(batch, cfg.rollout.temperature)
-                batch = batch | (ref.log_probs(batch, cfg.rollout.temperature) if ref else hflow.Batch()) \
-                    | old.result()
+                refs = ref.log_probs.future(batch, cfg.rollout.temperature) if ref else None
+                # on-policy, the update's own log-probs (detached) are the old ones: ratio 1, one forward fewer
+                if not on_policy and cfg.algo.old_log_probs == "rollout":
+                    batch["old_log_probs"] = batch["rollout_log_probs"]
+                elif not on_policy:
+                    batch = batch | actor.log_probs(batch, cfg.rollout.temperature)
+                if refs:
+                    batch = batch | refs.result()
             with timer("update"):
                 metrics |= actor.update(batch, loss_fn)[0]
-        if ref:
-            metrics["kl/mean"] = algos.masked_mean(algos.kl_penalty(
-                batch["old_log_probs"], batch["ref_log_probs"], "k1"), mask).item()
+        if ref:   # KL of the sampling policy to the reference (on-policy: the engine's log-probs of it)
+            sampled = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
+            metrics["kl/mean"] = algos.masked_mean(algos.kl_penalty(sampled, batch["ref_log_probs"], "k1"),
+                                                   mask).item()
         else:   # no reference: KL of the updated policy to the one that sampled, as the loss saw it
             metrics["kl/mean"] = metrics.get("actor/approx_kl", 0.0)
         metrics |= rollout_metrics(batch) | timer.pop()

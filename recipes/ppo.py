@@ -38,7 +38,7 @@ from hflow.metrics import MetricsLogger, Timer
 from hflow.placement import colocate, split
 from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, resume_run, rollout_metrics, save_run, score
 from hflow.rewards import Scorer
-from hflow.workers import Actor, check_batch_sizes, Critic, Reference
+from hflow.workers import Actor, check_batch_sizes, Critic, is_on_policy, Reference
 
 
 @dataclass
@@ -69,6 +69,8 @@ class PPOConfig:
     """Weight of the entropy bonus."""
     critic_warmup: int = 20
     """Steps that train only the critic before the actor starts."""
+    old_log_probs: Literal["recompute", "rollout"] = "recompute"
+    """Old log-probs (for the KL in the reward, or an off-policy update): a forward pass of the actor, or the engine's own (equal in fp32, not in bf16). An on-policy update without a KL reward needs neither."""
 
 
 @dataclass
@@ -135,6 +137,9 @@ def main(cluster: hflow.Cluster, cfg: Config):
         log.log(0, evaluate_now())
 
     timer, temperature = Timer(), cfg.rollout.temperature
+    # on-policy, the update's own log-probs (detached) are the old ones: ratio 1, one forward fewer;
+    # a KL in the reward still needs the sampling policy's log-probs before the update
+    need_old = not is_on_policy(cfg.actor, cfg.data.batch_size) or (ref is not None and not algo.kl_loss)
     while step < cfg.trainer.steps:
         step += 1
         with timer("step"):
@@ -142,15 +147,19 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
                 batch = actor.generate(prompt_batch(next(sampler)), rollout)
             scores, metrics = score(batch, tokenizer, scorer)
-            with timer("log_probs"):   # three groups at once where they sit on different ranks
-                parts = [actor.log_probs.future(batch, temperature), critic.values.future(batch)]
-                parts += [ref.log_probs.future(batch, temperature)] if ref else []
+            with timer("log_probs"):   # the groups work at the same time where they sit on different ranks
+                parts = [critic.values.future(batch)] + ([ref.log_probs.future(batch, temperature)] if ref else [])
+                if need_old and algo.old_log_probs == "rollout":
+                    batch["old_log_probs"] = batch["rollout_log_probs"]
+                elif need_old:
+                    parts.append(actor.log_probs.future(batch, temperature))
                 for part in parts:
                     batch = batch | part.result()
             mask = batch["response_mask"]
             token_rewards = algos.scores_to_token_rewards(scores, mask)
             if ref:
-                kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask
+                sampled = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
+                kl = algos.kl_penalty(sampled, batch["ref_log_probs"], "k1") * mask
                 metrics["kl/mean"] = algos.masked_mean(kl, mask).item()
                 metrics["kl/coef"] = kl_ctrl.value
                 if not algo.kl_loss:

@@ -248,3 +248,68 @@ def test_one_rank_and_two_ranks_train_the_same(tmp_path):
             # micro-batches and with packed ones (fp32 rounding through 6 Adam steps at lr 1e-2)
             torch.testing.assert_close(w1, two["weights"][name], rtol=1e-5, atol=2e-6)
         assert moved > 1e-3, "training did not change the weights"
+
+
+ON_POLICY = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from hflow.workers import Actor, ActorConfig, OptimConfig
+from test_fsdp import random_rollouts
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+path, out = sys.argv[1], sys.argv[2]
+
+def ppo_loss(logp, mb, entropy=None):
+    mask = mb["response_mask"]
+    ratio = torch.exp(logp - mb["old_log_probs"])
+    per_token = -torch.min(ratio * mb["advantages"], ratio.clamp(0.8, 1.2) * mb["advantages"])
+    return (per_token * mask).sum() / mask.sum(), {"ratio_dev": ((ratio - 1).abs() * mask).sum() / mask.sum()}
+
+cfg = ActorConfig(model_path=path, micro_batch_size=3, optim=OptimConfig(lr=1e-2, grad_clip=0.5))
+recomputing, skipping = Actor(mesh, cfg), Actor(mesh, cfg)
+saved = {"recompute": [], "skip": []}
+for step in range(3):
+    batch = random_rollouts(4, 2, 101, seed=20 + step)
+    del batch["old_log_probs"]
+    local = {k: v.chunk(world)[rank] for k, v in batch.items()}
+    old = recomputing.log_probs(local)["old_log_probs"]
+    saved["recompute"].append(recomputing.update({**local, "old_log_probs": old}, ppo_loss))
+    saved["skip"].append(skipping.update(local, ppo_loss))
+for name, actor in (("recompute", recomputing), ("skip", skipping)):
+    saved[name + "_weights"] = {n: p.full_tensor() for n, p in actor.model.named_parameters()}
+off_policy = Actor(mesh, ActorConfig(model_path=path, epochs=2))
+try:
+    off_policy.update(local, ppo_loss)
+except ValueError as e:
+    saved["error"] = str(e)
+if rank == 0:
+    torch.save(saved, out)
+dist.destroy_process_group()
+"""
+
+
+def test_on_policy_update_skips_the_old_log_probs_pass(tmp_path):
+    """Without old_log_probs an on-policy update uses its own detached log-probs: the same
+    update as recomputing them first, on 1 and on 2 ranks; an off-policy one refuses."""
+    path = tiny_model_dir(tmp_path / "model")
+    runs = {}
+    for world in (1, 2):
+        torchrun(ON_POLICY, nproc=world, args=[path, tmp_path / f"on{world}.pt"],
+                 tmp_path=tmp_path, timeout=300, env=TESTS_ENV).check()
+        runs[world] = torch.load(tmp_path / f"on{world}.pt")
+    for world, run in runs.items():
+        assert "only an on-policy update" in run["error"]
+        for recomputed, skipped in zip(run["recompute"], run["skip"]):
+            assert skipped["actor/ratio_dev"] == 0.0          # the ratio is exactly 1
+            assert recomputed["actor/ratio_dev"] < 1e-6
+            for key in ("actor/loss", "actor/grad_norm"):
+                assert skipped[key] == pytest.approx(recomputed[key], rel=1e-6, abs=1e-7), (world, key)
+        for name, w in run["skip_weights"].items():
+            torch.testing.assert_close(w, run["recompute_weights"][name], rtol=1e-6, atol=1e-7)
+    # 1 rank == 2 ranks (the weights themselves: test_one_rank_and_two_ranks_train_the_same;
+    # here Adam's first full-lr step would turn rounding noise in near-zero gradients into lr-sized steps)
+    for m1, m2 in zip(runs[1]["skip"], runs[2]["skip"]):
+        for key in ("actor/loss", "actor/grad_norm"):
+            assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), key

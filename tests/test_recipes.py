@@ -81,6 +81,20 @@ def test_grpo_colocated_with_reference_runs(tiny_model, tmp_path):
     assert logged[2]["actor/kl_loss"] >= 0 and "kl/mean" in logged[2]
 
 
+def test_grpo_off_policy_old_log_probs_from_the_rollout_equal_recomputed(tiny_model, tmp_path):
+    """Two epochs per batch: the engine's sampled-token log-probs as the old ones give the
+    update that a separate forward pass gives (fp32), without that pass."""
+    logged = {}
+    for source in ("recompute", "rollout"):
+        out = tmp_path / source
+        torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 2, "--actor.epochs", 2, "--trainer.no-export",
+                                                        "--algo.old-log-probs", source), timeout=400).check()
+        logged[source] = [without_timing(r) for r in rows(out)]
+    assert logged["rollout"][1]["actor/clipfrac"] == logged["recompute"][1]["actor/clipfrac"]
+    for a, b in zip(logged["recompute"], logged["rollout"]):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6), a["step"]
+
+
 @pytest.mark.parametrize("case", ["unknown flag", "batch does not divide", "missing file", "unsupported model"])
 def test_bad_input_stops_before_work_with_a_message(case, tiny_model, tmp_path):
     args = small_run(tiny_model, tmp_path / "out")

@@ -3,11 +3,12 @@
 Batches follow the layout documented in hflow/workers/layout.py.
 """
 from hflow.workers.actor import Actor, ActorConfig, Reference
-from hflow.workers.base import check_batch_sizes
+from hflow.workers.base import check_batch_sizes, is_on_policy
 from hflow.workers.critic import Critic, CriticConfig
 from hflow.workers.fsdp import FSDPConfig, OptimConfig
 from hflow.workers.reward import RewardModel, RewardModelConfig
 from hflow.workers.rollout import RolloutConfig
 
 __all__ = ["Actor", "ActorConfig", "Reference", "Critic", "CriticConfig", "RewardModel",
-           "RewardModelConfig", "RolloutConfig", "FSDPConfig", "OptimConfig", "check_batch_sizes"]
+           "RewardModelConfig", "RolloutConfig", "FSDPConfig", "OptimConfig", "check_batch_sizes",
+           "is_on_policy"]

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
 from hflow.workers import layout, packing
-from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta
+from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta, is_on_policy
 from hflow.workers.fsdp import build_model
 from hflow.workers.rollout import Rollout, RolloutConfig, prompt_token_lists, rollout_batch
 
@@ -82,15 +82,27 @@ class Actor(ModelWorker):
         """Train on a batch: `cfg.epochs` passes, one optimizer step per mini-batch. The
         temperature must be the rollout's (default: batch.meta["temperature"], else 1); the
         samples per prompt are batch.meta["n"] (default 1). Returns actor/loss, actor/grad_norm,
-        actor/lr and the loss function's metrics as actor/<name>."""
+        actor/lr and the loss function's metrics as actor/<name>.
+
+        A batch without `old_log_probs` is allowed for an on-policy update (one epoch, one
+        mini-batch): the loss function then sees the detached current log-probs as the old
+        ones (ratio exactly 1), which saves the forward pass that would compute them."""
         meta = batch_meta(batch)
         temperature = temperature if temperature is not None else meta.get("temperature", 1.0)
+        tensors, n = as_tensors(batch), int(meta.get("n", 1))
+        current_as_old = "old_log_probs" not in tensors
+        if current_as_old and not is_on_policy(self.cfg, len(tensors["input_ids"]) * self.mesh.size() // n):
+            raise ValueError("the batch has no old_log_probs: only an on-policy update (--actor.epochs 1, "
+                             "one mini-batch) may take the current log-probs as the old ones; compute them "
+                             "with actor.log_probs or use the rollout's")
 
         def loss_of(mb):
             logp, entropy = self._log_probs(mb, temperature, with_entropy)
+            if current_as_old:
+                mb = {**mb, "old_log_probs": logp.detach()}
             return loss_fn(logp, self.wrap(mb, batch), entropy=entropy)
 
-        return self.train(as_tensors(batch), int(meta.get("n", 1)), loss_of, self.cfg.epochs)
+        return self.train(tensors, n, loss_of, self.cfg.epochs)
 
     @dispatch("dp")
     def generate(self, prompts: Batch, rollout: RolloutConfig) -> Batch:

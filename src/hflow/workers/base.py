@@ -80,6 +80,12 @@ def num_minibatches(rows: int, n: int, mini_batch_size: int, dp: int, prefix: st
     return prompts // mini
 
 
+def is_on_policy(cfg: TrainingConfig, batch_size: int) -> bool:
+    """One epoch of one mini-batch: the policy that sampled is the policy being updated, so its
+    log-probs are the update's own (detached) and need no forward pass of their own."""
+    return cfg.epochs == 1 and cfg.mini_batch_size in (0, batch_size)
+
+
 def check_batch_sizes(batch_size: int, n: int, mini_batch_size: int, dp: int, prefix: str = "actor") -> None:
     """Fail early (on the controller, before any work) when batch sizes do not divide:
     `batch_size` prompts x `n` samples over `dp` ranks in mini-batches of `mini_batch_size` prompts."""
