@@ -253,6 +253,7 @@ def test_one_rank_and_two_ranks_train_the_same(tmp_path):
 ON_POLICY = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from hflow.measure import CollectiveBytes
 from hflow.workers import Actor, ActorConfig, OptimConfig
 from test_fsdp import random_rollouts
 torch.set_num_threads(1)
@@ -276,7 +277,9 @@ for step in range(3):
     local = {k: v.chunk(world)[rank] for k, v in batch.items()}
     old = recomputing.log_probs(local)["old_log_probs"]
     saved["recompute"].append(recomputing.update({**local, "old_log_probs": old}, ppo_loss))
-    saved["skip"].append(skipping.update(local, ppo_loss))
+    with CollectiveBytes() as moved:
+        saved["skip"].append(skipping.update(local, ppo_loss))
+    saved.setdefault("received", moved.received)
 for name, actor in (("recompute", recomputing), ("skip", skipping)):
     saved[name + "_weights"] = {n: p.full_tensor() for n, p in actor.model.named_parameters()}
 off_policy = Actor(mesh, ActorConfig(model_path=path, epochs=2))
@@ -299,6 +302,13 @@ def test_on_policy_update_skips_the_old_log_probs_pass(tmp_path):
         torchrun(ON_POLICY, nproc=world, args=[path, tmp_path / f"on{world}.pt"],
                  tmp_path=tmp_path, timeout=300, env=TESTS_ENV).check()
         runs[world] = torch.load(tmp_path / f"on{world}.pt")
+    weights = sum(t.nbytes for f in glob.glob(f"{path}/*.safetensors") for t in load_file(f).values())
+    assert runs[1]["received"] == 0
+    # 2 ranks, 2 micro-batches of 3 + 1 rows each, FSDP2 resharding after forward: for each
+    # micro-batch a rank receives the half of the weights it lacks twice (forward and backward
+    # all-gathers) and half of the gradients (reduce-scatter), plus FSDP's padding of uneven
+    # shards and a few small all-reduces
+    assert 3.0 * weights <= runs[2]["received"] <= 3.05 * weights, (runs[2]["received"], weights)
     for world, run in runs.items():
         assert "only an on-policy update" in run["error"]
         for recomputed, skipped in zip(run["recompute"], run["skip"]):

@@ -75,10 +75,12 @@ def test_ppo_resumed_run_matches_the_uninterrupted_one(tiny_model, tmp_path):
 def test_grpo_colocated_with_reference_runs(tiny_model, tmp_path):
     out = tmp_path / "grpo"
     torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 2, "--algo.kl-coef", 0.01,
-                                                    "--trainer.no-export"), timeout=400).check()
+                                                    "--trainer.no-export"), timeout=400,
+             env={"HFLOW_COUNT_COMM": "1"}).check()
     logged = rows(out)
     assert [r["step"] for r in logged] == [0, 1, 2]
     assert logged[2]["actor/kl_loss"] >= 0 and "kl/mean" in logged[2]
+    assert logged[2]["comm/actor_received_MiB"] > 0   # what rank 0's collectives received this step
 
 
 def test_grpo_off_policy_old_log_probs_from_the_rollout_equal_recomputed(tiny_model, tmp_path):

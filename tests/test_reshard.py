@@ -3,7 +3,8 @@ import pytest
 from dist import torchrun
 from test_fsdp import TESTS_ENV, tiny_model_dir
 
-from hflow.reshard import AllocatedBytes, generation_layout, tensor_parallel_dim
+from hflow.measure import AllocatedBytes
+from hflow.reshard import generation_layout, tensor_parallel_dim
 
 
 def test_allocated_bytes_follows_storages():
@@ -56,8 +57,8 @@ RESHARD = """
 import os, re, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig
-from hflow.reshard import (CollectiveBytes, generation_mesh, generation_shard, generation_weights,
-                           AllocatedBytes, tensor_parallel_dim)
+from hflow.measure import AllocatedBytes, CollectiveBytes
+from hflow.reshard import generation_mesh, generation_shard, generation_weights, tensor_parallel_dim
 from test_fsdp import random_rollouts
 torch.set_num_threads(1)
 dist.init_process_group("gloo")

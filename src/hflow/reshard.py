@@ -27,16 +27,12 @@ in flight is one tensor's generation shard plus its communication buffers.
 """
 from __future__ import annotations
 
-import weakref
-from collections import defaultdict
 from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 COLUMN_PARALLEL = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
@@ -116,73 +112,3 @@ def generation_weights(model: nn.Module, gen_mesh: DeviceMesh, dtype: torch.dtyp
     with torch.no_grad():
         for name, param in model.named_parameters():
             yield name, generation_shard(param, gen_mesh, tp_dim(name), dtype)
-
-
-# ---- measuring: bytes received and bytes allocated ---------------------------------------------
-
-class CollectiveBytes(TorchDispatchMode):
-    """Count the bytes this rank receives in functional collectives (what DTensor issues):
-    an all-gather over g ranks receives (g - 1) input-sized pieces, an all-to-all all but its
-    own 1/g of the output."""
-
-    def __init__(self):
-        super().__init__()
-        self.received = 0
-        self.calls: dict[str, int] = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func._schema.name
-        if name == "c10d::alltoall_base_":
-            self.calls["all_to_all_single"] += 1
-            group_size = torch.distributed.ProcessGroup.unbox(args[2]).size()
-            self.received += args[0].nbytes - args[0].nbytes // group_size
-        elif name.startswith("_c10d_functional::"):
-            op = name.split("::")[1]
-            self.calls[op] += 1
-            if op == "all_gather_into_tensor":
-                self.received += args[0].nbytes * (args[1] - 1)
-            elif op == "all_to_all_single":
-                group = torch.distributed.distributed_c10d._resolve_process_group(args[3])
-                self.received += out.nbytes - out.nbytes // group.size()
-            elif op in ("reduce_scatter_tensor", "all_reduce", "broadcast"):
-                self.received += args[0].nbytes  # upper bound; not used by resharding
-        return out
-
-
-class AllocatedBytes(TorchDispatchMode):
-    """Bytes of the tensor storages that ops create inside the block and that are still alive:
-    `live` now, `peak` at most. Storages that existed before the block (inputs seen first) count
-    0; a storage stops counting when it is freed, in whatever thread (gloo frees its buffers in
-    its own). What ops allocate internally and free before returning is not seen."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._counted: dict[int, int] = {}  # storage address -> bytes counted for it
-
-    def _see(self, tensor, new: bool) -> None:
-        if type(tensor) is not torch.Tensor or tensor.device.type == "meta":
-            return
-        storage = tensor.untyped_storage()
-        address = storage.data_ptr()
-        if address in self._counted or storage.nbytes() == 0:
-            return
-        self._counted[address] = storage.nbytes() if new else 0
-        self.live += self._counted[address]
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._freed, address)
-
-    def _freed(self, address: int) -> None:
-        self.live -= self._counted.pop(address, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                self._see(t, new=False)
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._see(t, new=True)
-        return out

@@ -13,6 +13,7 @@ controller's heartbeat, which also tells this rank the controller is alive) and 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -22,6 +23,7 @@ import traceback
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import measure
 from .batch import Batch
 
 
@@ -35,6 +37,7 @@ class Server:
         self._cv = threading.Condition()
         self.stopped = threading.Event()
         self.last_ping = time.monotonic()
+        self.count_comm = measure.counting_enabled()
         self._thread = threading.Thread(target=self._loop, name=f"hflow-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -102,7 +105,8 @@ class Server:
         op = task[0]
         if op == "call":
             _, group_id, method, args, kwargs, returns = task
-            out = getattr(self.workers[group_id], method)(*args, **kwargs)
+            with measure.process_bytes if self.count_comm else contextlib.nullcontext():
+                out = getattr(self.workers[group_id], method)(*args, **kwargs)
             return to_cpu(out) if returns else None
         if op == "spawn":
             # sent to EVERY rank: creating the mesh's process groups is collective

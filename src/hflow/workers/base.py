@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from hflow import measure
 from hflow.dispatch import dispatch
 from hflow.workers import layout
 from hflow.workers.fsdp import (FSDPConfig, OptimConfig, all_reduce_sum, build_optimizer, clip_grad_norm_, device_of,
@@ -188,7 +189,10 @@ class ModelWorker:
                 steps += 1
         metrics = {k: v / steps for k, v in totals.items()}
         metrics["lr"] = lr
-        return {f"{self.flag_prefix}/{k}": v for k, v in metrics.items()}
+        metrics = {f"{self.flag_prefix}/{k}": v for k, v in metrics.items()}
+        if measure.counting_enabled():
+            metrics[f"comm/{self.flag_prefix}_received_MiB"] = measure.received_since_last_report() / 2**20
+        return metrics
 
     # ---- checkpoints -----------------------------------------------------------------------
 
