@@ -8,7 +8,9 @@ Workloads (`--workload`), each on a random Qwen2, fp32, sampling at temperature 
               "47<eos>"); the default model's size (hidden 256, 4 layers, vocab 512).
   grpo-equal  16 prompts of 8-64 tokens x n=4, <= 32 new tokens, no EOS (all full length); 25M.
   grpo-vary   the same with <= 96 new tokens and EOS prob 0.015 (mean length ~50).
-`--per-rank` runs one rank's share of a 2-rank run: half the prompts on one thread.
+The three recipe workloads run the engine as the recipes' rollout does: the default KV budget
+(256 sequences of max_model_len = 256 tokens, <= 1 GiB) and asleep (level 1) between calls, so
+that every generate() allocates its KV cache again. `--per-rank` runs one rank's share of a 2-rank run: half the prompts on one thread.
 The random model's next-token distribution is almost uniform; its EOS logit is lifted by a
 constant so that every step ends a sequence with probability ~--eos-prob.
 
@@ -41,21 +43,21 @@ import torch
 SIZES = {"25m": (512, 8, 8, 4, 1376, 4096), "default": (256, 4, 4, 2, 1024, 512)}
 # model, prompts, n, prompt lengths, max new tokens, EOS prob per token
 WORKLOADS = {
-    "large": dict(size="25m", prompts=32, n=4, lengths=(8, 96), max_new_tokens=96, eos_prob=0.015),
-    "default": dict(size="default", prompts=32, n=8, lengths=(6, 8), max_new_tokens=5, eos_prob=0.2),
-    "grpo-equal": dict(size="25m", prompts=16, n=4, lengths=(8, 64), max_new_tokens=32, eos_prob=0.0),
-    "grpo-vary": dict(size="25m", prompts=16, n=4, lengths=(8, 64), max_new_tokens=96, eos_prob=0.015),
+    "large": dict(size="25m", prompts=32, n=4, lengths=(8, 96), max_new_tokens=96, eos_prob=0.015, recipe=False),
+    "default": dict(size="default", prompts=32, n=8, lengths=(6, 8), max_new_tokens=5, eos_prob=0.2, recipe=True),
+    "grpo-equal": dict(size="25m", prompts=16, n=4, lengths=(8, 64), max_new_tokens=32, eos_prob=0.0, recipe=True),
+    "grpo-vary": dict(size="25m", prompts=16, n=4, lengths=(8, 64), max_new_tokens=96, eos_prob=0.015, recipe=True),
 }
 
 
-def make_model(size: str, eos_prob: float, seed: int = 0):
+def make_model(size: str, eos_prob: float, seed: int = 0, max_len: int = 512):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hidden, layers, heads, kv_heads, inter, vocab = SIZES[size]
     eos = vocab - 1
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_len,
                       tie_word_embeddings=True, eos_token_id=eos, bos_token_id=eos, pad_token_id=eos)
     model = Qwen2ForCausalLM(cfg).eval()
     # Hidden dim 0 of every embedding is a constant 1, so after the final RMSNorm h[0] is large
@@ -85,15 +87,22 @@ def count_until_eos(tokens: list[int], eos: int) -> int:
     return tokens.index(eos) + 1 if eos in tokens else len(tokens)
 
 
-def setup_hflow(model, prompts, n, max_new, eos, seed):
-    """Build the engine and warm it up; return the timed call."""
+def setup_hflow(model, prompts, n, max_new, eos, seed, recipe=False):
+    """Build the engine and warm it up; return the timed call. `recipe`: as the recipes' rollout
+    runs it, with the default KV budget and asleep between calls (each call allocates the cache)."""
     from hflow.engine import LLM, SamplingParams
 
-    llm = LLM(model, block_size=16, num_kv_blocks=len(prompts) * n * (96 + max_new) // 16 + 64,
-              max_num_seqs=len(prompts) * n)
+    if recipe:
+        llm = LLM(model, block_size=16, max_num_seqs=256)
+    else:
+        llm = LLM(model, block_size=16, num_kv_blocks=len(prompts) * n * (96 + max_new) // 16 + 64,
+                  max_num_seqs=len(prompts) * n)
     llm.generate(prompts[:4], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=seed))
 
     def run():
+        if recipe:
+            llm.sleep(level=1)
+            llm.wake_up()
         outs = llm.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_new, seed=seed))
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
     run.llm = llm
@@ -233,18 +242,20 @@ def main():
         args.prompts, args.threads = args.prompts // 2, 1
 
     torch.set_num_threads(args.threads)
-    model, eos = make_model(w["size"], args.eos_prob, args.seed)
+    model, eos = make_model(w["size"], args.eos_prob, args.seed, max_len=256 if w["recipe"] else 512)
     prompts = make_prompts(args.prompts, w["lengths"], model.config.vocab_size, eos, args.seed + 1)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: Qwen2 {params / 1e6:.1f}M params, fp32, {args.threads} threads; workload {args.workload}: "
           f"{args.prompts} prompts of {w['lengths'][0]}-{w['lengths'][1]} tokens x n={args.n}, "
           f"<= {args.max_new_tokens} new tokens, EOS prob {args.eos_prob}/token")
     if args.profile:
-        return profile_hflow(setup_hflow(model, prompts, args.n, args.max_new_tokens, eos, args.seed), args.repeat)
+        return profile_hflow(setup_hflow(model, prompts, args.n, args.max_new_tokens, eos, args.seed,
+                                         w["recipe"]), args.repeat)
 
     names = ["hflow"] + [p for p in args.peers.split(",") if p]
-    runs = {name: ENGINES[name](model, prompts, args.n, args.max_new_tokens, eos, args.seed) for name in names}
-    best: dict[str, tuple[float, int, float]] = {}
+    runs = {name: ENGINES[name](model, prompts, args.n, args.max_new_tokens, eos, args.seed,
+                                **({"recipe": w["recipe"]} if name == "hflow" else {})) for name in names}
+    best: dict[str, tuple[float, int, float, float]] = {}
     for rep in range(args.repeat):  # interleaved, so that a busy spell hits every engine alike
         for name in names:
             cpu, start = time.process_time(), time.perf_counter()
@@ -253,12 +264,12 @@ def main():
             print(f"  [{rep + 1}/{args.repeat}] {name}: {tokens} tokens in {dt:.3f} s "
                   f"(process CPU {cpu:.1f} s)", flush=True)
             if name not in best or tokens / dt > best[name][0]:
-                best[name] = (tokens / dt, tokens, dt)
+                best[name] = (tokens / dt, tokens, dt, cpu)
     print(f"best of {args.repeat}:")
     for name in names:
-        rate, tokens, dt = best[name]
+        rate, tokens, dt, cpu = best[name]
         print(f"{name:>15}: {tokens:6d} tokens in {dt:6.3f} s = {rate:7.1f} tok/s "
-              f"(mean completion {tokens / (args.prompts * args.n):.1f} tokens)")
+              f"(process CPU {cpu:.3f} s; mean completion {tokens / (args.prompts * args.n):.1f} tokens)")
     peers = {k: v[0] for k, v in best.items() if k != "hflow"}
     if peers:
         faster = max(peers, key=peers.get)

@@ -256,6 +256,28 @@ def test_sleep_wake_and_load_weights_in_place(saved):
     assert _tokens(llm.generate(prompts, params)) == _tokens(LLM(other).generate(prompts, params))
 
 
+def test_kv_blocks_are_zeroed_on_first_use(saved):
+    """The cache is allocated uninitialised and a block is zeroed when first handed out:
+    garbage (NaN) in the rest never reaches the outputs, and waking up costs no full zeroing."""
+    path, _ = saved["qwen2"]
+    llm = LLM.from_pretrained(path)
+    prompts, params = prompts_of([5, 20, 40]), SamplingParams(n=3, temperature=1.0, max_tokens=20, seed=2)
+    expected = _tokens(llm.generate(prompts, params))
+    runner, allocate = llm.runner, llm.runner.allocate_kv_cache
+
+    def allocate_garbage():
+        fresh = runner.kv_cache is None
+        allocate()
+        if fresh:
+            runner.kv_cache[:, :, runner.num_zeroed_blocks:runner.num_blocks].fill_(float("nan"))
+    runner.allocate_kv_cache = allocate_garbage
+    for _ in range(2):
+        llm.sleep()
+        llm.wake_up()
+        assert _tokens(llm.generate(prompts, params)) == expected
+        assert runner.num_zeroed_blocks <= llm.stats()["peak_used_blocks"] < runner.num_blocks // 4
+
+
 def _tokens(outs):
     return [[c.token_ids for c in o.outputs] for o in outs]
 

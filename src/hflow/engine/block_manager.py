@@ -38,6 +38,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.peak_used_blocks = 0
+        # blocks [0, num_touched_blocks) may have been handed out since the last reset: the
+        # model runner zeroes the cache up to here (fresh blocks leave the free list in order)
+        self.num_touched_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -150,6 +153,8 @@ class BlockManager:
     def _take_free_block(self) -> Block:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
+        if block_id >= self.num_touched_blocks:
+            self.num_touched_blocks = block_id + 1
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]  # its old content is about to be overwritten
         block.hash, block.token_ids, block.ref_count = None, (), 1
@@ -161,6 +166,12 @@ class BlockManager:
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
+
+    def reset(self) -> None:
+        """Forget cached prefixes and which blocks were touched (after the cache was freed)."""
+        self.reset_prefix_cache()
+        self.free = OrderedDict((i, None) for i in range(len(self.blocks)))
+        self.num_touched_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (after new weights, the cached KV is stale)."""

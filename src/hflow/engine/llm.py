@@ -118,7 +118,7 @@ class LLM:
             raise ValueError(f"the KV budget holds no block of {per_block} bytes")
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+        self.runner = ModelRunner(self.model, self.block_manager)
         self._asleep = self._weights_freed = False
         self._next_seq_id = 0
 
@@ -171,7 +171,7 @@ class LLM:
         caller loads weights again after wake_up() (vLLM's semantics).
         """
         self.runner.free_kv_cache()
-        self.block_manager.reset_prefix_cache()
+        self.block_manager.reset()
         self._asleep = True
         if level >= 2 and not self._weights_freed:
             for p in self._unique_parameters():
