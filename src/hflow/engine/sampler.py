@@ -18,6 +18,9 @@ from hflow.engine.sequence import Sequence
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] (fp32) -> (token ids [rows], log-probs [rows])."""
+    params = seqs[0].params
+    if params.top_k == 0 and params.top_p >= 1 and all(s.params is params for s in seqs):
+        return _sample_plain(logits, seqs, params.temperature)
     rows, vocab = logits.shape
     device = logits.device
     temps = [s.params.temperature for s in seqs]
@@ -50,6 +53,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, to
         probs = probs * (mass_before < top_p[:, None])
         tokens[idx] = order.gather(1, _inverse_cdf(probs, u)[:, None])[:, 0]
 
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def _sample_plain(logits: torch.Tensor, seqs: list[Sequence], temperature: float):
+    """The common case, one unfiltered SamplingParams for every row: the same tokens and
+    log-probs as the general path, without its per-row index tensors."""
+    logp = torch.log_softmax(logits if temperature in (0, 1) else logits / temperature, dim=-1)
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+    else:
+        u = torch.tensor([s.rng.random() for s in seqs], dtype=torch.float64, device=logits.device)
+        tokens = _inverse_cdf(logp.exp(), u)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
