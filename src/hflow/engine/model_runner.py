@@ -136,7 +136,7 @@ class ModelRunner:
         self.allocate_kv_cache()
         if is_prefill:
             input_ids, positions, meta, last_rows, logits_rows, copies = self._prepare_prefill(seqs)
-            meta.workspace = self._workspace_for(meta)
+            meta.use_workspace(self._workspace_for(meta), self.kv_shape[3:])
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[last_rows])[logits_rows].float()
             if copies:  # followers' own blocks: a copy of their leader's, every layer at once
@@ -145,7 +145,7 @@ class ModelRunner:
         else:
             seqs = sorted(seqs, key=len)
             input_ids, positions, meta = self._prepare_decode(seqs)
-            meta.workspace = self._workspace_for(meta)
+            meta.use_workspace(self._workspace_for(meta), self.kv_shape[3:])
             logits = self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches)).float()
         tokens, logprobs = sample(logits, seqs)
         tp = self.model.tp

@@ -74,15 +74,19 @@ class RowParallelLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 as transformers does."""
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 as transformers does (for fp32
+    inputs F.rms_norm, one call, gives the same bits; for 16-bit ones it casts differently)."""
 
     def __init__(self, dim: int, eps: float, dtype, device):
         super().__init__()
         self.eps = eps
+        self.shape = (dim,)
         self.weight = _param(dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -114,7 +118,9 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions [0, max_len), looked up once per step for every layer.
 
-    Applied as transformers does: x * cos + rotate_half(x) * sin, cos = cat(f, f).cos() * scale.
+    transformers computes x * cos + rotate_half(x) * sin with cos = cat(f, f).cos() * scale and
+    rotate_half(x) = cat(-x2, x1). The same bits come from roll(x) = cat(x2, x1) times a sin
+    table whose first half is negated, in fewer ops: so `sin` here is cat(-sin f, sin f).
     """
 
     def __init__(self, hf_config, max_len: int, dtype, device):
@@ -123,7 +129,9 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scale).to(dtype=dtype, device=device), persistent=False)
+        sin = emb.sin() * scale
+        sin[:, :inv_freq.numel()] *= -1
+        self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens] -> cos, sin of shape [tokens, 1, head_dim] (broadcast over heads)."""
@@ -131,7 +139,6 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, head_dim]; rotate_half pairs dim i with dim i + head_dim/2."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [tokens, heads, head_dim]; pairs dim i with dim i + head_dim/2 (`sin` as
+    RotaryEmbedding gives it, its first half negated)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

@@ -74,14 +74,15 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sections, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n, h, kv_h, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(n, h + 2 * kv_h, d)
+        v = qkv[:, h + kv_h:]
+        if self.q_norm is None:  # q and k rotated in one go
+            qk = apply_rope(qkv[:, :h + kv_h], cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, h:h + kv_h]), cos, sin)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(n, -1))
 
