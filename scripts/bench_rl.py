@@ -1,0 +1,469 @@
+"""A whole RL step, side by side: hflow's GRPO recipe vs TRL's `GRPOTrainer` (and hflow's PPO).
+
+Same work on both: the same random Qwen2-shaped model (saved to a temporary Hugging Face
+directory with its tokenizer), the same prompts in the same order (no shuffling), GRPO with
+B prompts x n samples, temperature 1, fp32, beta = 0 (no reference model), one optimizer step
+per batch (one epoch, one mini-batch), micro-batches of 64 sequences, the same reward function
+and learning rate: 1e-6 on the random models (at the recipes' 1e-4 one Adam step swings a random
+model's EOS probability, mean length 52 -> 1 -> 96 in three steps, and the workload with it).
+
+- TRL 1.16: one process, torch.set_num_threads(2), bf16=False, no gradient checkpointing,
+  use_vllm=False, per_device_train_batch_size 64 (x gradient accumulation for bigger batches),
+  num_iterations 1. Phases are timed by wrapping the trainer's methods: generate = `_generate`;
+  old log-probs = `_get_per_token_logps_and_entropies` inside `_generate_and_score_completions`
+  (skipped on-policy); update = the rest of the optimizer step (step - generate-and-score);
+  whole step = on_step_begin .. on_step_end of a TrainerCallback.
+- hflow: the real recipes as a user runs them, `torchrun --nproc-per-node R recipes/grpo.py`
+  (R ranks x 2/R threads, OMP_NUM_THREADS), phases read from <output_dir>/metrics.jsonl
+  (time/*_s, comm/* when present). PPO (`recipes/ppo.py`, its critic, beta 0, no critic
+  warm-up) is reported the same way; it has no TRL peer.
+
+Workloads: equal (~25M-parameter Qwen2: hidden 512, 8 layers, vocab 4096; <= 32 new tokens, EOS
+made ~impossible so every response is ~32 tokens), vary (the same model with its EOS logit
+lifted as scripts/bench_generate.py does, <= 96 new tokens, mean ~50-65), default (the embedded
+default model and arithmetic task with the recipes' own defaults; the warmed-up policy when
+cached, else the base model: the output says which). Prompts of equal/vary: 8-64 random
+word tokens, each word one token of a byte-level BPE saved with the model (checked: the text
+re-tokenises to the same ids, so TRL and hflow see the same prompt tokens).
+
+Runs alternate (TRL, hflow ..., TRL, hflow ...) for --rounds rounds, each a subprocess of
+--steps steps; the first --warmup steps of each run are dropped; figures are medians over
+the remaining steps. tokens/s = generated response tokens (EOS included) / wall time.
+Compute floor = matmul FLOPs / this script's measured fp32 matmul peak (torch.mm, 2 threads,
+the model's shapes, best of a few): generation 2 (N_body + N_head) per generated token +
+2 N_body per prompt token (each prompt once); a forward 2 N_body (prompt + response tokens)
++ 2 N_head per response token; forward + backward 3x that. Attention score/value products are
+not counted (a few % here). Floors count only the work an on-policy step needs: no old
+log-probs for GRPO (both sides skip them); for PPO the critic's values, plus the reference's and
+the actor's log-probs when a reference puts a KL in the reward (the default workload).
+
+    pip install -e '.[bench]'                                 # TRL; without it: hflow figures only
+    python scripts/bench_rl.py --quick                        # a check that it all runs (~2 min)
+    python scripts/bench_rl.py --workload vary --rounds 1 --steps 3
+    python scripts/bench_rl.py                                # all workloads, 2 rounds (~30 min idle)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+SIZES = {"25m": dict(hidden=512, inter=1376, layers=8, heads=8, kv=4),
+         "quick": dict(hidden=128, inter=344, layers=2, heads=4, kv=2)}
+WORKLOADS = {"equal": dict(max_tokens=32, eos_prob=1e-6), "vary": dict(max_tokens=96, eos_prob=0.015)}
+VOCAB, PAD, EOS = 4096, 0, 1
+REWARD_MODULE = '''"""bench_rl's reward: the fraction of words that start with a lower-case letter."""
+def score(response, ground_truth=None, **extra):
+    words = response.split()
+    return sum(w[0].islower() for w in words) / max(len(words), 1)
+
+def trl_score(completions, **kwargs):
+    return [score(c) for c in completions]
+
+def trl_arithmetic(completions, answer, **kwargs):
+    from hflow.rewards.arithmetic import arithmetic_score
+    return [arithmetic_score(c, a) for c, a in zip(completions, answer)]
+'''
+
+
+# ------------------------------------------------------------ the work: model, tokenizer, prompts
+
+def build_tokenizer():
+    """Byte-level BPE of VOCAB tokens under Qwen2's pre-tokenizer (transformers reloads a qwen2
+    directory's tokenizer with it): 0 pad, 1 EOS, 256 bytes, then " a".." Zz" and " aaa"...:
+    one token per space-led word of 1-3 letters."""
+    import itertools
+    import string
+
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hflow.default_model import QWEN2_PRETOKENIZE_REGEX
+
+    vocab = {"<|endoftext|>": PAD, "<|im_end|>": EOS}
+    vocab.update({ch: i + 2 for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
+    merges = []
+    for word in itertools.chain(*(itertools.product(string.ascii_letters, repeat=k) for k in (1, 2, 3))):
+        if len(vocab) == VOCAB:
+            break
+        merges.append(("Ġ" + "".join(word[:-1]), word[-1]))
+        vocab["Ġ" + "".join(word)] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True), AddedToken("<|im_end|>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token=None)
+
+
+def make_model(size: dict, eos_prob: float, seed: int = 0):
+    """A random Qwen2 whose EOS ends a sequence with probability ~eos_prob per token (the trick
+    of scripts/bench_generate.py: hidden dim 0 of every embedding is 1, the EOS row gets +delta)."""
+    import math
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=size["hidden"], intermediate_size=size["inter"],
+                      num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                      num_key_value_heads=size["kv"], max_position_embeddings=512, tie_word_embeddings=True,
+                      eos_token_id=EOS, bos_token_id=EOS, pad_token_id=PAD)
+    model = Qwen2ForCausalLM(cfg).eval()
+    emb = model.model.embed_tokens.weight.data
+    emb[:, 0] = 1.0
+    with torch.no_grad():
+        h0 = model.model(torch.randint(2, VOCAB, (16, 64))).last_hidden_state[..., 0].mean().item()
+    emb[EOS, 0] = 1.0 + math.log(eos_prob * (VOCAB - 1) / (1 - eos_prob)) / h0
+    return model
+
+
+def random_prompts(tokenizer, num: int, seed: int = 1) -> list[str]:
+    """Texts of 8-64 random word tokens that re-tokenise to exactly the drawn ids."""
+    import torch
+
+    g, out = torch.Generator().manual_seed(seed), []
+    for _ in range(num):
+        ids = torch.randint(258, VOCAB, (int(torch.randint(8, 65, (), generator=g)),), generator=g).tolist()
+        text = tokenizer.decode(ids)
+        assert tokenizer(text)["input_ids"] == ids, "a prompt does not re-tokenise to its ids"
+        out.append(text)
+    return out
+
+
+def recipe_config(algo: str):
+    """The recipe's own Config() (its defaults), read from recipes/<algo>.py."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{algo}", REPO / "recipes" / f"{algo}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.Config()
+
+
+def prepare(name: str, args, root: Path) -> dict:
+    """Write the model, tokenizer, prompts and reward module of a workload; return its spec."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    work = root / name
+    work.mkdir(parents=True)
+    (work / "bench_rl_reward.py").write_text(REWARD_MODULE)
+    grpo, ppo = recipe_config("grpo"), recipe_config("ppo")
+    spec = dict(name=name, work=str(work), steps=args.steps, lr=grpo.actor.optim.lr)
+    if name == "default":
+        from hflow.data import DataConfig, load_prompts
+        from hflow.default_model import default_model_dir
+
+        base = default_model_dir(grpo.model.default_size, grpo.model.default_seed)
+        warmed = base.with_name(f"{base.name}-sft0.4")      # hflow.recipe.default_policy's cache
+        model_dir = warmed if (warmed / "config.json").exists() else base
+        spec["note"] = f"{'warmed-up' if model_dir == warmed else 'un-warmed base'} default policy {model_dir.name}"
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        train = load_prompts(DataConfig(), tokenizer, "train")
+        shapes = {a: (c.data.batch_size, c.rollout.n, c.rollout.max_tokens) for a, c in (("grpo", grpo), ("ppo", ppo))}
+        count = max(b for b, _, _ in shapes.values()) * args.steps
+        rows = [{"prompt": p, "answer": a} for p, a in zip(train.prompts[:count], train.ground_truths[:count])]
+        prompt_lens = [len(ids) for ids in train.prompt_ids[:count]]
+        spec.update(hflow_flags=[], reward="arithmetic", trl_reward="bench_rl_reward:trl_arithmetic",
+                    ppo_flags=["--algo.critic-warmup", "0"], ppo_ref=ppo.algo.kl_coef > 0)
+    else:
+        tokenizer = build_tokenizer()
+        model_dir = work / "model"
+        make_model(SIZES[args.size], WORKLOADS[name]["eos_prob"]).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)  # as both sides load it
+        max_tokens = 16 if args.quick else WORKLOADS[name]["max_tokens"]
+        shapes = {a: (args.batch, args.n, max_tokens) for a in ("grpo", "ppo")}
+        rows = [{"prompt": p} for p in random_prompts(tokenizer, args.batch * args.steps)]
+        prompt_lens = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]
+        spec.update(note="random prompts of 8-64 tokens", reward="bench_rl_reward:score",
+                    trl_reward="bench_rl_reward:trl_score", lr=1e-6, hflow_flags=[
+                        "--data.train-files", str(work / "prompts.jsonl"), "--data.answer-key", "",
+                        "--actor.optim.lr", "1e-6"],
+                    ppo_flags=["--algo.kl-coef", "0", "--algo.critic-warmup", "0"], ppo_ref=False)
+    with open(work / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    c = AutoConfig.from_pretrained(model_dir)
+    h, kv = c.hidden_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    layer = 2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size   # q, o; k, v; gate, up, down
+    spec.update(model_dir=str(model_dir), shapes=shapes, prompt_lens=prompt_lens, hidden=h, vocab=c.vocab_size,
+                inter=c.intermediate_size, n_body=c.num_hidden_layers * layer, n_head=c.vocab_size * h)
+    return spec
+
+
+# ------------------------------------------------------------ runs (each one subprocess)
+
+def run_logged(cmd: list[str], env: dict, log: Path) -> float:
+    """Run cmd, output to log; return the children's CPU seconds. Raise with the log's tail."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT).returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if rc != 0:
+        raise RuntimeError(f"exit status {rc}: {' '.join(cmd)}\n--- {log} (tail)\n" + log.read_text()[-4000:])
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def run_hflow(spec: dict, algo: str, ranks: int, threads: int, tag: str) -> list[dict]:
+    out = Path(spec["work"]) / tag
+    batch, n, max_tokens = spec["shapes"][algo]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           f"recipes/{algo}.py", "--model.path", spec["model_dir"], "--reward.fn", spec["reward"],
+           *spec["hflow_flags"], "--data.no-shuffle", "--trainer.steps", str(spec["steps"]),
+           "--trainer.eval-size", "0", "--trainer.no-export", "--trainer.output-dir", str(out),
+           "--rollout.no-progress", "--trainer.logging.no-progress-bars"]
+    if spec["name"] != "default":   # the default workload keeps the recipes' own defaults
+        cmd += ["--data.batch-size", str(batch), "--rollout.n", str(n), "--rollout.max-tokens", str(max_tokens),
+                "--actor.micro-batch-size", "64"] + (["--critic.micro-batch-size", "64"] if algo == "ppo" else [])
+    cmd += spec["ppo_flags"] if algo == "ppo" else []
+    pythonpath = os.pathsep.join([spec["work"], str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
+    start = time.perf_counter()
+    cpu = run_logged(cmd, {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": pythonpath}, out.with_suffix(".log"))
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    print(f"    {tag}: {time.perf_counter() - start:.0f} s wall, {cpu:.0f} s CPU", flush=True)
+    return [r for r in rows if "time/step_s" in r]
+
+
+def run_trl(spec: dict, threads: int, tag: str) -> list[dict]:
+    out = Path(spec["work"]) / tag
+    out.mkdir()
+    (out / "spec.json").write_text(json.dumps({**spec, "threads": threads, "out": str(out)}))
+    start = time.perf_counter()
+    cpu = run_logged([sys.executable, __file__, "--trl-worker", str(out / "spec.json")],
+                     {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": f"{spec['work']}{os.pathsep}{REPO / 'src'}"},
+                     out.with_suffix(".log"))
+    print(f"    {tag}: {time.perf_counter() - start:.0f} s wall, {cpu:.0f} s CPU", flush=True)
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def trl_worker(spec_path: str) -> None:
+    """Child process: TRL's GRPOTrainer on the spec's work; one metrics row per optimizer step."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    batch, n, max_tokens = spec["shapes"]["grpo"]
+    rows = [json.loads(line) for line in open(Path(spec["work"]) / "prompts.jsonl")][:batch * spec["steps"]]
+    module, _, fn = spec["trl_reward"].partition(":")
+    reward = getattr(importlib.import_module(module), fn)
+    micro = min(64, batch * n)
+    args = GRPOConfig(output_dir=spec["out"], per_device_train_batch_size=micro,
+                      gradient_accumulation_steps=batch * n // micro, num_generations=n,
+                      max_completion_length=max_tokens, temperature=1.0, num_iterations=1, beta=0.0,
+                      learning_rate=spec["lr"], lr_scheduler_type="constant", max_steps=spec["steps"],
+                      bf16=False, gradient_checkpointing=False, use_vllm=False, shuffle_dataset=False,
+                      use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32),
+                          reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]))
+    acc: dict = {}
+
+    def timed(name, fn, after=None):
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            out = fn(*a, **kw)
+            if name != "old" or acc.get("in_gas"):
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - start
+            if after:
+                after(out)
+            return out
+        return wrapper
+
+    def count(out):   # _generate's (prompt_ids, completion_ids, ...); completions end with their EOS
+        acc["prompt_tokens"] = acc.get("prompt_tokens", 0) + sum(map(len, out[0])) // n
+        acc["tokens"] = acc.get("tokens", 0) + sum(map(len, out[1]))
+
+    generate_and_score = trainer._generate_and_score_completions
+
+    def flagged(*a, **kw):   # old log-probs are the log-prob calls made in here (none on-policy)
+        acc["in_gas"] = True
+        try:
+            return generate_and_score(*a, **kw)
+        finally:
+            acc["in_gas"] = False
+
+    trainer._generate = timed("generate", trainer._generate, count)
+    trainer._get_per_token_logps_and_entropies = timed("old", trainer._get_per_token_logps_and_entropies)
+    trainer._generate_and_score_completions = timed("gas", flagged)
+    log = open(Path(spec["out"]) / "metrics.jsonl", "w")
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            acc.clear()
+            acc["start"] = time.perf_counter()
+
+        def on_step_end(self, _args, state, *_, **__):
+            step = time.perf_counter() - acc["start"]
+            log.write(json.dumps({
+                "step": state.global_step, "time/step_s": step, "time/generate_s": acc["generate"],
+                "time/log_probs_s": acc.get("old", 0.0), "time/update_s": step - acc["gas"],
+                "response_length/mean": acc["tokens"] / (batch * n), "prompt_tokens": acc["prompt_tokens"]}) + "\n")
+            log.flush()
+
+    trainer.add_callback(StepTimer())
+    trainer.train()
+
+
+# ------------------------------------------------------------ figures
+
+def matmul_peak(spec: dict, threads: int) -> float:
+    """Best fp32 torch.mm GFLOP/s over the model's shapes (3 tries each), `threads` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    h, i, best = spec["hidden"], spec["inter"], 0.0
+    for rows in (256, 1024, 4096):
+        for k, m in ((h, i), (i, h), (h, h), (h, spec["vocab"])):
+            a, b = torch.randn(rows, k), torch.randn(k, m)
+            torch.mm(a, b)
+            reps = max(2, int(1e8 / (2 * rows * k * m)))
+            for _ in range(3):
+                start = time.perf_counter()
+                for _ in range(reps):
+                    torch.mm(a, b)
+                best = max(best, 2 * rows * k * m * reps / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def floors(spec: dict, algo: str, row: dict, step: int) -> dict:
+    """Matmul GFLOP of the work each phase of one on-policy step needs (see the docstring)."""
+    batch, n, _ = spec["shapes"][algo]
+    prompt = sum(spec["prompt_lens"][(step - 1) * batch:step * batch])
+    resp = row["response_length/mean"] * batch * n
+    body, head = spec["n_body"], spec["n_head"]
+    fwd = 2 * body * (prompt * n + resp) + 2 * head * resp      # the actor's (or reference's) forward
+    value = 2 * body * (prompt * n + resp) if algo == "ppo" else 0   # the critic's (value head not counted)
+    # PPO with a reference puts the KL in the reward: the reference's and the actor's log-probs
+    # before the update; GRPO with beta 0 needs no forward before its update
+    logp = value + (2 * fwd if algo == "ppo" and spec["ppo_ref"] else 0)
+    gen, upd = 2 * (body + head) * resp + 2 * body * prompt, 3 * (fwd + value)
+    return {"generate": gen / 1e9, "log_probs": logp / 1e9, "update": upd / 1e9,
+            "step": (gen + logp + upd) / 1e9, "prompt_tokens": prompt}
+
+
+def report(spec: dict, algo: str, label: str, rows: list[dict], peak: float) -> float:
+    """Print the phase table of one configuration; return its median whole-step tokens/s."""
+    batch, n, _ = spec["shapes"][algo]
+    tokens = [r["response_length/mean"] * batch * n for r in rows]
+    print(f"  {label}: {len(rows)} steps, mean response {statistics.mean(tokens) / (batch * n):.1f} tokens")
+    print(f"    {'phase':<14}{'median s':>9}{'tok/s':>9}{'floor s':>9}{'% floor':>9}")
+    for phase in ("generate", "log_probs", "update", "step"):
+        times = [r[f"time/{phase}_s"] for r in rows]
+        floor = statistics.median(floors(spec, algo, r, r["step"])[phase] for r in rows) / peak
+        if statistics.median(times) < 0.01 and floor == 0:
+            print(f"    {phase:<14}{statistics.median(times):9.3f}   (skipped: on-policy)")
+            continue
+        rate = statistics.median(t / s for t, s in zip(tokens, times))
+        pct = f"{100 * floor / statistics.median(times):8.0f}%" if floor else f"{'-':>9}"
+        print(f"    {phase:<14}{statistics.median(times):9.2f}{rate:9.0f}{floor:9.2f}{pct}")
+        if floor > statistics.median(times):
+            print("    (above 100 %: the matmul peak was measured low; was the machine busy?)")
+    other = [r["time/step_s"] - r["time/generate_s"] - r["time/log_probs_s"] - r["time/update_s"] for r in rows]
+    print(f"    {'other (score)':<14}{statistics.median(other):9.2f}")
+    for key in sorted({k for r in rows for k in r if k.startswith("comm/")}):
+        print(f"    {key}: median {statistics.median(r[key] for r in rows if key in r):,.6g}")
+    return statistics.median(t / r["time/step_s"] for t, r in zip(tokens, rows))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="all", choices=["equal", "vary", "default", "all"])
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (TRL, hflow ...), one subprocess each")
+    ap.add_argument("--steps", type=int, default=4, help="RL steps per run")
+    ap.add_argument("--warmup", type=int, default=1, help="first steps of each run left out")
+    ap.add_argument("--hflow-ranks", default="2,1", help="hflow configurations: ranks (x 2/ranks threads each)")
+    ap.add_argument("--no-ppo", dest="ppo", action="store_false", help="skip hflow's PPO runs")
+    ap.add_argument("--no-trl", dest="trl", action="store_false", help="skip TRL")
+    ap.add_argument("--batch", type=int, default=16, help="prompts per step (equal/vary)")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt (equal/vary)")
+    ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="tiny model, 16 new tokens, equal only, 2 steps, 1 round")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (models, logs, metrics)")
+    ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_worker:
+        return trl_worker(args.trl_worker)
+    if args.quick:
+        args.workload, args.steps, args.rounds, args.warmup = "equal", 2, 1, 1
+    args.size = "quick" if args.quick else "25m"
+    if args.trl and importlib.util.find_spec("trl") is None:
+        print("TRL is not installed: hflow figures only (pip install -e '.[bench]' for the comparison)")
+        args.trl = False
+    ranks = [int(r) for r in args.hflow_ranks.split(",") if r]
+    root = Path(tempfile.mkdtemp(prefix="bench_rl."))
+    table = []
+    try:
+        for name in (["equal", "vary", "default"] if args.workload == "all" else [args.workload]):
+            spec = prepare(name, args, root)
+            peak = matmul_peak(spec, args.cores)    # measured again after the runs; the best is kept
+            b, n, t = spec["shapes"]["grpo"]
+            print(f"\n== {name}: Qwen2, {(spec['n_body'] + spec['n_head']) / 1e6:.1f}M matmul params (layers "
+                  f"{spec['n_body'] / 1e6:.1f}M + lm_head {spec['n_head'] / 1e6:.1f}M), GRPO {b} prompts x {n}, "
+                  f"<= {t} new tokens, {spec['note']}; matmul peak {peak:.0f} GFLOP/s ({args.cores} threads)")
+            runs = ([("grpo", "trl", 1)] if args.trl else []) + [(a, "hflow", r) for a in ("grpo", "ppo")
+                                                                  for r in ranks if a == "grpo" or args.ppo]
+            results: dict = {}
+            for rnd in range(args.rounds):
+                for algo, who, r in runs:
+                    tag = f"{who}-{algo}-{r}r-round{rnd}"
+                    rows = run_trl(spec, args.cores, tag) if who == "trl" else \
+                        run_hflow(spec, algo, r, args.cores // r, tag)
+                    results.setdefault((algo, who, r), []).extend(rows[args.warmup:])
+            peak = max(peak, matmul_peak(spec, args.cores))
+            print(f"  matmul peak, best of before and after the runs: {peak:.0f} GFLOP/s")
+            if args.trl:
+                trl_prompts = [r["prompt_tokens"] for r in results[("grpo", "trl", 1)]]
+                ours = [floors(spec, "grpo", r, r["step"])["prompt_tokens"] for r in results[("grpo", "trl", 1)]]
+                print(f"  prompt tokens per step, TRL / hflow's tokenizer: {trl_prompts} / {ours}: "
+                      f"{'same' if trl_prompts == ours else 'DIFFERENT'}")
+            rates = {}
+            for (algo, who, r), rows in results.items():
+                label = "TRL GRPOTrainer, 1 process x 2 threads" if who == "trl" else \
+                    f"hflow {algo.upper()}, {r} rank{'s' if r > 1 else ''} x {args.cores // r} thread(s)"
+                rates[(algo, who, r)] = report(spec, algo, label, rows, peak)
+            table += summary_rows(name, rates)
+        print("\n| workload | TRL tok/s | hflow 2 ranks tok/s | ratio | hflow 1 rank tok/s | ratio |\n|---|---|---|---|---|---|")
+        print("\n".join(table))
+    finally:
+        if args.keep:
+            print(f"work directory kept: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def summary_rows(name: str, rates: dict) -> list[str]:
+    """README table rows (GRPO against TRL; PPO: hflow only)."""
+    out = []
+    for algo in ("grpo", "ppo"):
+        if not any(k[0] == algo for k in rates):
+            continue
+        trl = rates.get((algo, "trl", 1))
+        cells = [f"{name}" + (" (PPO)" if algo == "ppo" else ""), f"{trl:,.0f}" if trl else "—"]
+        for r in (2, 1):
+            rate = rates.get((algo, "hflow", r))
+            cells += [f"{rate:,.0f}" if rate else "—", f"{rate / trl:.2f}×" if rate and trl else "—"]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+if __name__ == "__main__":
+    main()
