@@ -35,7 +35,7 @@ from hflow.metrics import MetricsLogger, Timer
 from hflow.placement import colocate, split
 from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, resume_run, rollout_metrics, save_run, score
 from hflow.rewards import Scorer
-from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference
+from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
 
 
 @dataclass
@@ -52,8 +52,8 @@ class GRPOConfig:
     """Divide by the group's std (False: Dr.GRPO)."""
     loss_agg: str = "token-mean"
     """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
-    old_log_probs: Literal["recompute", "rollout"] = "recompute"
-    """Old log-probs of an off-policy update (several epochs or mini-batches): a forward pass of the actor, or the engine's own (equal in fp32, not in bf16). An on-policy update needs neither."""
+    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
+    """Old log-probs of an off-policy update (several epochs or mini-batches): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not). An on-policy update needs neither."""
 
 
 @dataclass
@@ -104,6 +104,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
 
     loss_fn = functools.partial(grpo_loss, algo=cfg.algo)
     on_policy = is_on_policy(cfg.actor, cfg.data.batch_size)
+    old_from_rollout = cfg.algo.old_log_probs == "rollout" or (
+        cfg.algo.old_log_probs == "auto" and rollout_log_probs_exact(cfg.actor, cluster.device_type))
     timer = Timer()
     while step < cfg.trainer.steps:
         step += 1
@@ -118,7 +120,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
             with timer("log_probs"):
                 refs = ref.log_probs.future(batch, cfg.rollout.temperature) if ref else None
                 # on-policy, the update's own log-probs (detached) are the old ones: ratio 1, one forward fewer
-                if not on_policy and cfg.algo.old_log_probs == "rollout":
+                if not on_policy and old_from_rollout:
                     batch["old_log_probs"] = batch["rollout_log_probs"]
                 elif not on_policy:
                     batch = batch | actor.log_probs(batch, cfg.rollout.temperature)

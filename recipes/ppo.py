@@ -38,7 +38,7 @@ from hflow.metrics import MetricsLogger, Timer
 from hflow.placement import colocate, split
 from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, resume_run, rollout_metrics, save_run, score
 from hflow.rewards import Scorer
-from hflow.workers import Actor, check_batch_sizes, Critic, is_on_policy, Reference
+from hflow.workers import Actor, check_batch_sizes, Critic, is_on_policy, Reference, rollout_log_probs_exact
 
 
 @dataclass
@@ -69,8 +69,8 @@ class PPOConfig:
     """Weight of the entropy bonus."""
     critic_warmup: int = 20
     """Steps that train only the critic before the actor starts."""
-    old_log_probs: Literal["recompute", "rollout"] = "recompute"
-    """Old log-probs (for the KL in the reward, or an off-policy update): a forward pass of the actor, or the engine's own (equal in fp32, not in bf16). An on-policy update without a KL reward needs neither."""
+    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
+    """Old log-probs (for the KL in the reward, or an off-policy update): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not). An on-policy update without a KL reward needs neither."""
 
 
 @dataclass
@@ -140,6 +140,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
     # on-policy, the update's own log-probs (detached) are the old ones: ratio 1, one forward fewer;
     # a KL in the reward still needs the sampling policy's log-probs before the update
     need_old = not is_on_policy(cfg.actor, cfg.data.batch_size) or (ref is not None and not algo.kl_loss)
+    old_from_rollout = algo.old_log_probs == "rollout" or (
+        algo.old_log_probs == "auto" and rollout_log_probs_exact(cfg.actor, cluster.device_type))
     while step < cfg.trainer.steps:
         step += 1
         with timer("step"):
@@ -149,7 +151,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
             scores, metrics = score(batch, tokenizer, scorer)
             with timer("log_probs"):   # the groups work at the same time where they sit on different ranks
                 parts = [critic.values.future(batch)] + ([ref.log_probs.future(batch, temperature)] if ref else [])
-                if need_old and algo.old_log_probs == "rollout":
+                if need_old and old_from_rollout:
                     batch["old_log_probs"] = batch["rollout_log_probs"]
                 elif need_old:
                     parts.append(actor.log_probs.future(batch, temperature))

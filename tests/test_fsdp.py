@@ -99,6 +99,14 @@ def test_batch_size_errors_name_the_flags():
         check_batch_sizes(batch_size=3, n=1, mini_batch_size=0, dp=2)
 
 
+def test_rollout_log_probs_stand_in_only_when_the_actor_computes_in_fp32():
+    from hflow.workers import ActorConfig, FSDPConfig, rollout_log_probs_exact
+    assert rollout_log_probs_exact(ActorConfig(), "cpu")              # auto: fp32 on CPU
+    assert not rollout_log_probs_exact(ActorConfig(), "cuda")         # auto: bf16 on GPU
+    assert rollout_log_probs_exact(ActorConfig(fsdp=FSDPConfig(param_dtype="float32")), "cuda")
+    assert not rollout_log_probs_exact(ActorConfig(fsdp=FSDPConfig(param_dtype="bf16")), "cpu")
+
+
 def test_token_budget_balances_micro_batches():
     tokens = torch.tensor([9, 1, 5, 5, 3, 7])
     parts = split_micro_batches(tokens, 3, balance=True)

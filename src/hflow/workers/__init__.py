@@ -3,7 +3,7 @@
 Batches follow the layout documented in hflow/workers/layout.py.
 """
 from hflow.workers.actor import Actor, ActorConfig, Reference
-from hflow.workers.base import check_batch_sizes, is_on_policy
+from hflow.workers.base import check_batch_sizes, is_on_policy, rollout_log_probs_exact
 from hflow.workers.critic import Critic, CriticConfig
 from hflow.workers.fsdp import FSDPConfig, OptimConfig
 from hflow.workers.reward import RewardModel, RewardModelConfig
@@ -11,4 +11,4 @@ from hflow.workers.rollout import RolloutConfig
 
 __all__ = ["Actor", "ActorConfig", "Reference", "Critic", "CriticConfig", "RewardModel",
            "RewardModelConfig", "RolloutConfig", "FSDPConfig", "OptimConfig", "check_batch_sizes",
-           "is_on_policy"]
+           "is_on_policy", "rollout_log_probs_exact"]

@@ -23,7 +23,7 @@ from hflow import measure
 from hflow.dispatch import dispatch
 from hflow.workers import layout
 from hflow.workers.fsdp import (FSDPConfig, OptimConfig, all_reduce_sum, build_optimizer, clip_grad_norm_, device_of,
-                               reshard)
+                               mixed_precision, reshard)
 
 
 @dataclass
@@ -85,6 +85,12 @@ def is_on_policy(cfg: TrainingConfig, batch_size: int) -> bool:
     """One epoch of one mini-batch: the policy that sampled is the policy being updated, so its
     log-probs are the update's own (detached) and need no forward pass of their own."""
     return cfg.epochs == 1 and cfg.mini_batch_size in (0, batch_size)
+
+
+def rollout_log_probs_exact(cfg: TrainingConfig, device_type: str) -> bool:
+    """Whether the engine's sampled-token log-probs equal the actor's own: the engine computes in
+    the actor's parameter dtype, and in fp32 the two agree to ~1e-6; in bf16 they differ."""
+    return mixed_precision(cfg.fsdp, torch.device(device_type)).param_dtype in (None, torch.float32)
 
 
 def check_batch_sizes(batch_size: int, n: int, mini_batch_size: int, dp: int, prefix: str = "actor") -> None:
