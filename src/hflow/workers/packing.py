@@ -5,9 +5,9 @@ right-padded responses; run as it is, every matmul pays for b * (P + R) position
 short most rows are. `pack` concatenates the real tokens of the rows into one row of T tokens
 (positions restart at 0 for each sequence), and the attention function registered here
 (`ATTENTION`, which fsdp.build_model sets on every worker model) attends within each sequence
-only: one causal `scaled_dot_product_attention` per sequence, from the sequence bounds passed
-through the model's forward as the keyword `hflow_seq_bounds`. The work then follows the
-real tokens, and the LM head runs only where a log-prob is read (`predict_at`).
+only, from index tensors passed through the model's forward as the keyword `hflow_packing`.
+The linear layers' work then follows the real tokens, and the LM head runs only where a
+log-prob is read (`predict_at`).
 
     packed = pack(mb)
     out = model(**packed.model_inputs(), logits_to_keep=packed.predict_at)   # logits [1, K, V]
@@ -27,20 +27,31 @@ ATTENTION = "hflow_varlen"
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                     hflow_seq_bounds=None, **kwargs):
+                     hflow_packing=None, **kwargs):
     """Causal attention inside each packed sequence. query [1, H, T, D], key/value
-    [1, H_kv, T, D]; returns [1, T, H, D] as transformers' attention functions do."""
-    if hflow_seq_bounds is None:
+    [1, H_kv, T, D]; returns [1, T, H, D] as transformers' attention functions do.
+
+    The sequences are gathered into one padded [b, H, L, D] batch for a single masked
+    `scaled_dot_product_attention` (one autograd node, not one slice per sequence: slicing's
+    backward writes a full-size gradient per slice), then scattered back to the T real tokens.
+    Only attention pays for the padding, and it is a small part of a layer's FLOPs."""
+    if hflow_packing is None:
         raise RuntimeError(f"a model with attention {ATTENTION!r} runs on packed sequences: call it "
                            "with the inputs of hflow.workers.packing.pack(...).model_inputs()")
     if dropout > 0:
         raise ValueError("packed attention has no dropout")
-    bounds = hflow_seq_bounds
-    parts = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                            is_causal=True, scale=scaling, enable_gqa=True)
-             for s, e in zip(bounds[:-1], bounds[1:])]
-    out = torch.cat(parts, dim=2) if parts else query  # no sequence: an empty micro-batch
-    return out.transpose(1, 2).contiguous(), None
+    gather, mask, scatter = hflow_packing
+    b, L = gather.shape
+
+    def padded(x):  # [1, h, T, D] -> [b, h, L, D]
+        h, D = x.shape[1], x.shape[3]
+        return x[0].index_select(1, gather.flatten()).view(h, b, L, D).transpose(0, 1)
+
+    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=mask,
+                                         scale=scaling, enable_gqa=True)   # [b, H, L, D]
+    H, D = out.shape[1], out.shape[3]
+    out = out.transpose(0, 1).reshape(H, b * L, D).index_select(1, scatter)   # [H, T, D]
+    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
 def register_attention() -> str:
@@ -58,7 +69,9 @@ def register_attention() -> str:
 class Packed:
     input_ids: torch.Tensor      # [1, T]
     position_ids: torch.Tensor   # [1, T]
-    bounds: list[int]            # sequence i is packed[bounds[i]:bounds[i + 1]]
+    gather: torch.Tensor         # [b, L] packed index of token j of sequence i (padding: 0)
+    attention_mask: torch.Tensor  # [b, 1, L, L] causal, real keys only
+    scatter: torch.Tensor        # [T] index of each packed token in the flattened [b, L]
     predict_at: torch.Tensor     # [K] packed indices whose output predicts (or values) a response token
     targets: torch.Tensor        # [K] those response tokens
     rows: torch.Tensor           # [K] where each goes in the [b, R] layout
@@ -67,8 +80,8 @@ class Packed:
     shape: tuple[int, int]       # (b, R)
 
     def model_inputs(self) -> dict:
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
-                "hflow_seq_bounds": self.bounds, "use_cache": False}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False,
+                "hflow_packing": (self.gather, self.attention_mask, self.scatter)}
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """[K] per-response-token values -> [b, R], 0 where there is no response token."""
@@ -90,7 +103,14 @@ def pack(tensors: dict[str, torch.Tensor]) -> Packed:
     rows, cols = mask[:, P:].nonzero(as_tuple=True)
     target_at = starts[rows] + prompt_lengths[rows] + cols
     input_ids = tensors["input_ids"][mask]
-    return Packed(input_ids=input_ids[None], position_ids=positions[None],
-                  bounds=[0] + lengths.cumsum(0).tolist(), predict_at=target_at - 1,
+    L = int(lengths.max()) if b else 0
+    j = torch.arange(L, device=mask.device)
+    real = j[None, :] < lengths[:, None]                                    # [b, L]
+    gather = torch.where(real, starts[:, None] + j[None, :], 0)
+    # a padding query still sees its sequence's real keys (all of them precede it): no empty row
+    attention_mask = (j[None, :] <= j[:, None])[None, None] & real[:, None, None, :]
+    scatter = (torch.arange(b, device=mask.device)[:, None] * L + j[None, :])[real]
+    return Packed(input_ids=input_ids[None], position_ids=positions[None], gather=gather,
+                  attention_mask=attention_mask, scatter=scatter, predict_at=target_at - 1,
                   targets=input_ids[target_at], rows=rows, cols=cols, last=starts + lengths - 1,
                   shape=(b, R))
