@@ -62,7 +62,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(
-        optim=OptimConfig(lr=1e-4), micro_batch_size=64))
+        optim=OptimConfig(lr=1e-4), max_tokens_per_micro_batch=8192))
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8, max_tokens=5))
     algo: GRPOConfig = field(default_factory=GRPOConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(

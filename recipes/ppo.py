@@ -79,9 +79,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(
-        optim=OptimConfig(lr=1e-4), micro_batch_size=64))
+        optim=OptimConfig(lr=1e-4), max_tokens_per_micro_batch=8192))
     critic: CriticConfig = field(default_factory=lambda: CriticConfig(
-        optim=OptimConfig(lr=2e-3), micro_batch_size=64))
+        optim=OptimConfig(lr=2e-3), max_tokens_per_micro_batch=8192))
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=5))
     algo: PPOConfig = field(default_factory=PPOConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(

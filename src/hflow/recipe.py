@@ -17,7 +17,7 @@ from hflow.config import ModelConfig
 from hflow.data import DataConfig, Prompt, PromptDataset, PromptSampler, iter_batches, load_prompts
 from hflow.metrics import progress
 from hflow.rewards import RewardConfig, Scorer
-from hflow.workers import Actor, ActorConfig, FSDPConfig, RolloutConfig
+from hflow.workers import Actor, ActorConfig, RolloutConfig
 from hflow.workers.layout import sequence_tensors
 
 
@@ -158,9 +158,7 @@ def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float
     data = DataConfig(task="arithmetic", task_seed=seed)
     train, val = load_prompts(data, tokenizer, "train"), load_prompts(data, tokenizer, "val")
     optim = dataclasses.replace(ActorConfig().optim, lr=1e-3, warmup_steps=100)
-    # a tiny model: keeping its gathered parameters through the backward saves an all-gather (~17 % a step)
-    cfg = ActorConfig(model_path=str(base), optim=optim, micro_batch_size=128,
-                      fsdp=FSDPConfig(reshard_after_forward=False))
+    cfg = ActorConfig(model_path=str(base), optim=optim, micro_batch_size=128)
     actor = cluster.spawn(Actor, cfg)
     print(f"warming up the embedded default model ({base.name}) until held-out accuracy {stop_at}"
           f" (once; cached in {final})", flush=True)

@@ -75,8 +75,8 @@ class FSDPConfig:
     """keep sharded parameters, gradients and optimizer state in CPU memory (GPU only)"""
     activation_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward pass"""
-    reshard_after_forward: bool = True
-    """free each layer's gathered parameters after its forward (False: keep them for the backward, one all-gather fewer per step, more memory)"""
+    reshard_after_forward: bool | None = None
+    """free each layer's gathered parameters after its forward (False: keep them for the backward, one all-gather fewer per micro-batch, more memory; None: False on CPU, where memory is plentiful, True on GPUs)"""
     row_parallel_on_dim1: bool = True
     """shard o_proj/down_proj on their input dim, as tensor parallelism does (cheaper resharding)"""
 
@@ -153,8 +153,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Modul
 
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cfg.cpu_offload and device.type != "cpu" \
         else OffloadPolicy()
+    reshard_after_forward = device.type != "cpu" if cfg.reshard_after_forward is None else cfg.reshard_after_forward
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision(cfg, device), offload_policy=offload,
-                  shard_placement_fn=placement, reshard_after_forward=cfg.reshard_after_forward)
+                  shard_placement_fn=placement, reshard_after_forward=reshard_after_forward)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
