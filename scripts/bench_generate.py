@@ -151,13 +151,13 @@ def profile_hflow(run, repeat: int) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     llm = run.llm
-    plain: dict[bool, list[float]] = {True: [], False: []}
+    plain: dict[bool, list[tuple[float, float]]] = {True: [], False: []}  # (wall, process CPU)
     step = llm.step
 
     def timed_step():
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         done, is_prefill = step()
-        plain[is_prefill].append(time.perf_counter() - t)
+        plain[is_prefill].append((time.perf_counter() - t, time.process_time() - cpu))
         return done, is_prefill
     llm.step = timed_step
     for _ in range(repeat):
@@ -205,8 +205,9 @@ def profile_hflow(run, repeat: int) -> None:
     k = len(decode)
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     wall, in_ops = mean([d[0] for d in decode]) / 1e3, mean([d[2] for d in decode]) / 1e3
-    print(f"decode steps: {k // repeat} per run; plain wall {1e3 * mean(plain[False]):.2f} ms/step, "
-          f"prefill {1e3 * mean(plain[True]):.2f} ms/step ({len(plain[True]) // repeat} per run)")
+    wall_cpu = lambda xs: f"{1e3 * mean([x[0] for x in xs]):.2f} ms (CPU {1e3 * mean([x[1] for x in xs]):.2f})"  # noqa: E731
+    print(f"decode steps: {k // repeat} per run; unprofiled: decode {wall_cpu(plain[False])}/step, "
+          f"prefill {wall_cpu(plain[True])}/step ({len(plain[True]) // repeat} per run)")
     print(f"under the profiler: {wall:.2f} ms/step, of which")
     shown = 0.0
     for cat, labels in CATEGORIES.items():
