@@ -18,7 +18,7 @@ _EXPORTS = {
     "RewardConfig": "hflow.rewards",
     "Scorer": "hflow.rewards",
     "Future": "hflow.cluster",
-    "make_mesh": "hflow.cluster",
+    "make_mesh": "hflow.parallel",
     "Actor": "hflow.workers",
     "Reference": "hflow.workers",
     "Critic": "hflow.workers",

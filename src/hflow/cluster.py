@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import itertools
 import os
 import socket
@@ -32,15 +33,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
-from torch.distributed.device_mesh import DeviceMesh
 
 from . import transport
 from .batch import Batch
 from .dispatch import Layout, gather, mode_of, scatter
-from .server import Server, _hard_exit, _log, to_cpu
-
-_device: torch.device | None = None
+from .parallel import set_device
+from .server import Call, Release, Server, Spawn, Stop, hard_exit, log, to_cpu
 
 
 def _env_float(name: str, default: float) -> float:
@@ -111,8 +109,7 @@ class RemoteMethod:
     def future(self, *args, **kwargs) -> Future:
         g = self.group
         calls, ctx = scatter(self.mode, g.layout, to_cpu(args), to_cpu(kwargs))
-        tasks = {c.rank: ("call", g.group_id, self.name, c.args, c.kwargs, c.returns)
-                 for c in calls}
+        tasks = {c.rank: Call(g.group_id, self.name, c.args, c.kwargs, c.returns) for c in calls}
         return g.cluster._issue(f"{g.worker_class.__name__}.{self.name}", tasks,
                                 lambda parts: gather(self.mode, g.layout, ctx, parts))
 
@@ -127,14 +124,26 @@ class WorkerGroup:
     def __init__(self, cluster: "Cluster", group_id: int, worker_class: type, layout: Layout):
         self.cluster, self.group_id = cluster, group_id
         self.worker_class, self.layout = worker_class, layout
+        self.closed = False
 
     @property
     def ranks(self) -> list[int]:
         return self.layout.ranks
 
+    def close(self) -> None:
+        """Free the group's workers on every rank — models, optimizers, engines — once the
+        calls issued before have run. A call on the group afterwards raises."""
+        if not self.closed:
+            self.closed = True
+            self.cluster._issue(f"{self.worker_class.__name__} close", {r: Release(self.group_id) for r in self.ranks},
+                                lambda parts: None).result()
+
     def __getattr__(self, name: str) -> RemoteMethod:
         if name.startswith("_"):
             raise AttributeError(name)
+        if self.closed:
+            raise RuntimeError(f"{self.worker_class.__name__}.{name}: this worker group was released "
+                               f"with close(); spawn a new one")
         fn = getattr(self.worker_class, name, None)
         if fn is None:
             raise AttributeError(f"{self.worker_class.__name__} has no method {name!r}")
@@ -187,9 +196,8 @@ class Cluster:
         group_id = next(self._group_ids)
         # every rank builds the mesh (process-group creation is collective over the world);
         # only members get the class and arguments
-        member = (worker_class, to_cpu(args), to_cpu(kwargs))
-        tasks = {r: ("spawn", group_id, layout, self.device_type,
-                     *(member if r in ranks else (None, (), {})))
+        tasks = {r: Spawn(group_id, layout, self.device_type, worker_class, to_cpu(args), to_cpu(kwargs))
+                 if r in ranks else Spawn(group_id, layout, self.device_type)
                  for r in range(self.world_size)}
         self._issue(f"spawn {worker_class.__name__}", tasks, lambda parts: None).result()
         return WorkerGroup(self, group_id, worker_class, layout)
@@ -289,7 +297,7 @@ class Cluster:
         if self._failure is not None:
             raise RuntimeError("a worker call failed earlier in the run (caught by main?); "
                                "ending the run as failed") from self._failure
-        stop = {r: ("stop",) for r in range(self.world_size)}
+        stop = {r: Stop() for r in range(self.world_size)}
         self._issue("shutdown", stop, lambda parts: None).result()
         self._closing.set()
 
@@ -298,7 +306,7 @@ class Cluster:
         (a second caller waits here while the first one ends the process)."""
         self._aborting.acquire()
         self._closing.set()
-        _log(f"hflow: ending the run on all {self.world_size} ranks: {reason}")
+        log(f"hflow: ending the run on all {self.world_size} ranks: {reason}")
         acks = []
         for rank in range(self.world_size):
             if rank != self._server.rank:
@@ -311,7 +319,7 @@ class Cluster:
                 ack.wait()
             except Exception:
                 pass   # that rank is already gone
-        _hard_exit(1)
+        hard_exit(1)
 
 
 def _private_copy(x):
@@ -322,6 +330,8 @@ def _private_copy(x):
         return x.detach().clone()
     if isinstance(x, Batch):
         return Batch({k: _private_copy(v) for k, v in x.items()}, _private_copy(x.meta))
+    if isinstance(x, (Spawn, Call)):
+        return dataclasses.replace(x, args=_private_copy(x.args), kwargs=_private_copy(x.kwargs))
     if type(x) in (list, tuple):
         return type(x)(_private_copy(v) for v in x)
     if type(x) is dict:
@@ -333,7 +343,6 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
     """Run `main(cluster, cfg)` on rank 0 with every other rank serving it. Call it on every
     rank (under torchrun; without it, runs as a single rank). Returns main's result on rank 0
     and None on the others; any failure ends every rank with exit status 1."""
-    global _device
     _default_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -343,13 +352,14 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
             raise RuntimeError(f"LOCAL_RANK {local_rank} but this host has "
                                f"{torch.cuda.device_count()} CUDA device(s): start one process "
                                f"per GPU (torchrun --nproc-per-node), or set HFLOW_DEVICE=cpu")
-        _device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(_device)
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl"
     else:
-        _device, backend = torch.device("cpu"), "gloo"
+        device, backend = torch.device("cpu"), "gloo"
+    set_device(device)
     dist.init_process_group(backend)
-    server = Server(rank, _device)
+    server = Server(rank, device)
     transport.start(rank, world_size, server.handle)
 
     if rank != 0:
@@ -357,7 +367,7 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
         _leave()
         return None
 
-    cluster = Cluster(world_size, _device, server)
+    cluster = Cluster(world_size, device, server)
     try:
         try:
             result = main(cluster, cfg)
@@ -380,7 +390,7 @@ def _leave() -> None:
         dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()
-        _hard_exit(1)
+        hard_exit(1)
 
 
 def _default_env() -> None:
@@ -392,63 +402,3 @@ def _default_env() -> None:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-
-
-def current_device() -> torch.device:
-    """This rank's device (cuda:LOCAL_RANK on GPUs, cpu otherwise), for worker code."""
-    return _device if _device is not None else torch.device("cpu")
-
-
-# ---- meshes made inside worker methods ---------------------------------------------------------
-_local_meshes: dict[tuple, DeviceMesh] = {}
-_local_group_counts: dict[tuple, int] = {}
-_names_lock = threading.Lock()
-
-
-def make_mesh(rank_array, dim_names) -> DeviceMesh:
-    """A DeviceMesh over `rank_array` (nested list or tensor of global ranks, 1-D or n-D)
-    built by those ranks alone: call it inside a worker method dispatched to exactly them
-    (e.g. an actor building its tp_g x dp_g generation mesh over its own ranks) while other
-    ranks do something else. Same arguments again return the same mesh."""
-    array = torch.as_tensor(rank_array, dtype=torch.int64)
-    dim_names = tuple(dim_names)
-    if array.dim() != len(dim_names):
-        raise ValueError(f"make_mesh: {array.dim()}-D rank array but dim names {dim_names}")
-    key = (tuple(array.flatten().tolist()), tuple(array.shape), dim_names)
-    if key in _local_meshes:
-        return _local_meshes[key]
-    me = dist.get_rank()
-    where = (array == me).nonzero()
-    if len(where) != 1:
-        raise ValueError(f"make_mesh: rank {me} must appear once in {array.tolist()}")
-    coordinate = where[0].tolist()
-    groups = []
-    for d in range(array.dim()):   # every member creates its groups in the same dim order
-        index = list(coordinate)
-        index[d] = slice(None)
-        groups.append(_local_group(array[tuple(index)].tolist()))
-    mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0],
-                                 current_device().type, mesh=array, mesh_dim_names=dim_names)
-    _local_meshes[key] = mesh
-    return mesh
-
-
-def _local_group(members: list[int]):
-    """new_group(members) that only the members call.
-
-    torch names such a group by hashing its ranks with the count of groups this process
-    belongs to — and that count differs between ranks that belong to different groups, so the
-    members would look for each other under different names and hang. We name it by its ranks
-    and how many groups over exactly these ranks were made before: every member agrees.
-    """
-    key = tuple(members)
-    with _names_lock:
-        n = _local_group_counts.get(key, 0)
-        _local_group_counts[key] = n + 1
-        name = f"hflow_{'_'.join(map(str, key))}_{n}"
-        original = c10d._hash_ranks_to_str
-        c10d._hash_ranks_to_str = lambda ranks: name
-        try:
-            return dist.new_group(members, use_local_synchronization=True)
-        finally:
-            c10d._hash_ranks_to_str = original

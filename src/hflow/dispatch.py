@@ -27,8 +27,6 @@ A worker method declares its mode with a decorator:
 from __future__ import annotations
 
 import itertools
-import sys
-import types
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
@@ -184,15 +182,3 @@ def gather(mode: str, layout: Layout, n_rows, results: dict[int, Any]) -> Any:
                              f"the dp size {len(outs)}")
         kept.append(out[:real * (len(out) // shard_rows)])
     return Batch.concat(kept)
-
-
-class _CallableModule(types.ModuleType):
-    """Once imported, `hflow.dispatch` names this module rather than the decorator (a package
-    attribute set by the import wins over the package's lazy export). Making the module
-    callable keeps `@hflow.dispatch("dp")` working either way."""
-
-    def __call__(self, mode: str) -> Callable:
-        return dispatch(mode)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -59,7 +59,7 @@ def generation_layout(ranks: Sequence[int], tp_size: int) -> list[list[int]]:
 def generation_mesh(train_mesh: DeviceMesh, tp_size: int,
                     make_mesh: Callable[[list[list[int]], tuple[str, str]], DeviceMesh] | None = None) -> DeviceMesh:
     """Build the (tp, dp) mesh over the training mesh's ranks. Creating process groups is
-    collective: `make_mesh` (e.g. hflow.cluster.make_mesh) must be called on the right ranks;
+    collective: `make_mesh` (e.g. hflow.parallel.make_mesh) must be called on the right ranks;
     the default builds the DeviceMesh directly, which every rank of the world must call."""
     layout = generation_layout(train_mesh.mesh.flatten().tolist(), tp_size)
     if make_mesh is not None:

@@ -14,17 +14,58 @@ controller's heartbeat, which also tells this rank the controller is alive) and 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import os
 import sys
 import threading
 import time
 import traceback
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import measure
 from .batch import Batch
+
+
+# ---- the tasks the controller sends (hflow.cluster) -----------------------------------------------
+
+@dataclass
+class Spawn:
+    """Build a group's mesh (every rank: process-group creation is collective) and, on its
+    members, `worker_class(mesh, *args, **kwargs)`; other ranks get worker_class None."""
+    group_id: int
+    layout: Any                  # hflow.dispatch.Layout
+    device_type: str
+    worker_class: type | None = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Call:
+    """Run `method(*args, **kwargs)` on this rank's worker of the group; `returns` False: send
+    nothing back (a tensor-parallel peer's duplicate result)."""
+    group_id: int
+    method: str
+    args: tuple
+    kwargs: dict
+    returns: bool = True
+
+
+@dataclass
+class Release:
+    """Drop this rank's worker of the group (its model, optimizer and engine go with it)."""
+    group_id: int
+
+
+@dataclass
+class Stop:
+    """The run is over: finish, then leave."""
 
 
 class Server:
@@ -52,15 +93,15 @@ class Server:
             self.last_ping = time.monotonic()
             future.set_result("pong")
         elif kind == "abort":
-            _log(f"hflow rank {self.rank}: stopped by the controller: {message[1]}")
+            log(f"hflow rank {self.rank}: stopped by the controller: {message[1]}")
             future.set_result(None)
             # exit a moment later, so that the reply reaches the controller first
-            threading.Timer(0.2, _hard_exit).start()
+            threading.Timer(0.2, hard_exit).start()
         else:
             future.set_exception(ValueError(f"unknown message {kind!r}"))
         return future
 
-    def submit(self, seq: int, task: tuple) -> torch.futures.Future:
+    def submit(self, seq: int, task) -> torch.futures.Future:
         future = torch.futures.Future()
         with self._cv:
             self._queue[seq] = (task, future)
@@ -73,9 +114,9 @@ class Server:
         while not self.stopped.wait(timeout=1.0):
             silent = time.monotonic() - self.last_ping
             if silent > controller_timeout_s:
-                _log(f"hflow rank {self.rank}: no heartbeat from the controller (rank 0) for "
+                log(f"hflow rank {self.rank}: no heartbeat from the controller (rank 0) for "
                      f"{silent:.0f} s; it probably died. Exiting.")
-                _hard_exit()
+                hard_exit()
 
     # ---- the executor ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -95,29 +136,32 @@ class Server:
                 for _ in range(2):
                     tb = tb.tb_next or tb
                 reply = ("err", self.rank, "".join(traceback.format_exception(type(e), e, tb)))
-            if task[0] == "stop":
+            if isinstance(task, Stop):
                 self.stopped.set()
             future.set_result(reply)
-            if task[0] == "stop":
+            if isinstance(task, Stop):
                 return
 
-    def _run(self, task: tuple):
-        op = task[0]
-        if op == "call":
-            _, group_id, method, args, kwargs, returns = task
+    def _run(self, task):
+        if isinstance(task, Call):
+            worker = self.workers.get(task.group_id)
+            if worker is None:
+                raise RuntimeError(f"{task.method}: this worker group was released (group.close())")
             with measure.process_bytes if self.count_comm else contextlib.nullcontext():
-                out = getattr(self.workers[group_id], method)(*args, **kwargs)
-            return to_cpu(out) if returns else None
-        if op == "spawn":
-            # sent to EVERY rank: creating the mesh's process groups is collective
-            _, group_id, layout, device_type, cls, args, kwargs = task
-            mesh = self._mesh(layout, device_type)
-            if cls is not None:
-                self.workers[group_id] = cls(mesh, *args, **kwargs)
+                out = getattr(worker, task.method)(*task.args, **task.kwargs)
+            return to_cpu(out) if task.returns else None
+        if isinstance(task, Spawn):
+            mesh = self._mesh(task.layout, task.device_type)
+            if task.worker_class is not None:
+                self.workers[task.group_id] = task.worker_class(mesh, *task.args, **task.kwargs)
             return None
-        if op == "stop":
+        if isinstance(task, Release):
+            self.workers.pop(task.group_id, None)
+            release_memory(self.device)
             return None
-        raise ValueError(f"unknown task {op!r}")
+        if isinstance(task, Stop):
+            return None
+        raise ValueError(f"unknown task {task!r}")
 
     def _mesh(self, layout, device_type: str) -> DeviceMesh:
         """One DeviceMesh (one set of process groups) per distinct layout: colocated groups
@@ -145,11 +189,24 @@ def to_cpu(x):
     return x
 
 
-def _log(text: str) -> None:
+def release_memory(device: torch.device) -> None:
+    """Hand freed memory back: collect the reference cycles models hold (hooks), empty the
+    CUDA cache, and let glibc return its free heap to the system (freed CPU tensors otherwise
+    stay in the process's heap)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        pass
+
+
+def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _hard_exit(code: int = 1) -> None:
+def hard_exit(code: int = 1) -> None:
     """Exit now, without joining threads that may be stuck in a collective or in RPC."""
     sys.stdout.flush()
     sys.stderr.flush()

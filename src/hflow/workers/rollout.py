@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from hflow.parallel import make_mesh
 from hflow.workers import layout
 from hflow.workers.fsdp import device_of, mixed_precision
 
@@ -68,7 +69,6 @@ class Rollout:
 
     def _engine(self, cfg: RolloutConfig):
         """Build the generation mesh and the engine the first time (and when tp_size changes)."""
-        from hflow.cluster import make_mesh
         from hflow.engine import LLM
         from hflow.reshard import generation_mesh
 

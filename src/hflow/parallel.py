@@ -1,0 +1,81 @@
+"""The worker side of the controller seam: this rank's device and the meshes worker code builds.
+
+`hflow.launch` sets the device once per rank; workers, the engine and the resharding read it
+and build their own meshes here, so nothing under workers/ or engine/ imports the controller
+(hflow.cluster).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
+
+_device: torch.device | None = None
+
+
+def set_device(device: torch.device) -> None:
+    """Called by hflow.launch before any worker exists."""
+    global _device
+    _device = device
+
+
+def current_device() -> torch.device:
+    """This rank's device (cuda:LOCAL_RANK on GPUs, cpu otherwise), for worker code."""
+    return _device if _device is not None else torch.device("cpu")
+
+
+_local_meshes: dict[tuple, DeviceMesh] = {}
+_local_group_counts: dict[tuple, int] = {}
+_names_lock = threading.Lock()
+
+
+def make_mesh(rank_array, dim_names) -> DeviceMesh:
+    """A DeviceMesh over `rank_array` (nested list or tensor of global ranks, 1-D or n-D)
+    built by those ranks alone: call it inside a worker method dispatched to exactly them
+    (e.g. an actor building its tp_g x dp_g generation mesh over its own ranks) while other
+    ranks do something else. Same arguments again return the same mesh."""
+    array = torch.as_tensor(rank_array, dtype=torch.int64)
+    dim_names = tuple(dim_names)
+    if array.dim() != len(dim_names):
+        raise ValueError(f"make_mesh: {array.dim()}-D rank array but dim names {dim_names}")
+    key = (tuple(array.flatten().tolist()), tuple(array.shape), dim_names)
+    if key in _local_meshes:
+        return _local_meshes[key]
+    me = dist.get_rank()
+    where = (array == me).nonzero()
+    if len(where) != 1:
+        raise ValueError(f"make_mesh: rank {me} must appear once in {array.tolist()}")
+    coordinate = where[0].tolist()
+    groups = []
+    for d in range(array.dim()):   # every member creates its groups in the same dim order
+        index = list(coordinate)
+        index[d] = slice(None)
+        groups.append(_local_group(array[tuple(index)].tolist()))
+    mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0],
+                                 current_device().type, mesh=array, mesh_dim_names=dim_names)
+    _local_meshes[key] = mesh
+    return mesh
+
+
+def _local_group(members: list[int]):
+    """new_group(members) that only the members call.
+
+    torch names such a group by hashing its ranks with the count of groups this process
+    belongs to — and that count differs between ranks that belong to different groups, so the
+    members would look for each other under different names and hang. We name it by its ranks
+    and how many groups over exactly these ranks were made before: every member agrees.
+    """
+    key = tuple(members)
+    with _names_lock:
+        n = _local_group_counts.get(key, 0)
+        _local_group_counts[key] = n + 1
+        name = f"hflow_{'_'.join(map(str, key))}_{n}"
+        original = c10d._hash_ranks_to_str
+        c10d._hash_ranks_to_str = lambda ranks: name
+        try:
+            return dist.new_group(members, use_local_synchronization=True)
+        finally:
+            c10d._hash_ranks_to_str = original
