@@ -165,6 +165,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.dist
 def test_fsdp2_save_perturb_load_on_2_ranks(tmp_path):
     run = torchrun(SAVE_PERTURB_LOAD, 2, args=[tmp_path / "ckpt"], tmp_path=tmp_path).check()
     assert run.output.count(" ok") == 2, run.output
@@ -201,6 +202,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.dist
 def test_crash_mid_save_leaves_the_previous_checkpoint_usable(tmp_path):
     root = tmp_path / "ckpt"
     crashed = torchrun(CRASH_THEN_RESUME, 2, args=[root, "crash"], tmp_path=tmp_path)
@@ -241,6 +243,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.dist
 def test_export_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
     run = torchrun(EXPORT, 2, args=[tmp_path], tmp_path=tmp_path).check()
     assert "export ok" in run.output, run.output

@@ -152,6 +152,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_groups_meshes_and_clean_exit(tmp_path, nproc):
     run = run_ranks(SCRIPT, nproc, args=[tmp_path], tmp_path=tmp_path, timeout=300).check()
@@ -196,6 +197,7 @@ def test_single_process_without_torchrun(tmp_path):
     assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.dist
 def test_example_recipe_under_torchrun(tmp_path):
     """The README's main-job command, shrunk: two split groups and a colocated one."""
     run = torchrun(os.path.join(ROOT, "recipes", "example.py"), nproc=4,
@@ -269,6 +271,7 @@ print(hflow.launch(main, sys.argv[1]))
 '''
 
 
+@pytest.mark.dist
 def test_close_frees_the_workers_memory_and_later_calls_raise(tmp_path):
     from test_fsdp import TESTS_ENV, tiny_model_dir
     path = tiny_model_dir(tmp_path / "model", vocab=1000, hidden=256, layers=4)

@@ -174,12 +174,14 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_dispatch_modes_futures_and_ordering(tmp_path, nproc):
     run = run_ranks(SCRIPT, nproc, args=[tmp_path], tmp_path=tmp_path, timeout=300).check()
     assert "ALL OK" in run.outputs[0], run.output
 
 
+@pytest.mark.dist
 def test_bench_dispatch_smoke(tmp_path):
     """The benchmark script runs and reports both figures (tiny sizes; figures not checked)."""
     import os

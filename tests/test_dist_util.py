@@ -1,6 +1,9 @@
+import pytest
+
 from dist import torchrun
 
 
+@pytest.mark.dist
 def test_torchrun_runs_every_rank(tmp_path):
     run = torchrun("""
         import os
@@ -12,6 +15,7 @@ def test_torchrun_runs_every_rank(tmp_path):
     assert "rank 0 of 2" in run.output and "rank 1 of 2" in run.output
 
 
+@pytest.mark.dist
 def test_torchrun_timeout_kills_a_hang(tmp_path):
     run = torchrun("import time\ntime.sleep(600)\n", nproc=1, tmp_path=tmp_path, timeout=10)
     assert run.timed_out

@@ -1,4 +1,6 @@
 """Tensor parallel: the engine sharded over 2 CPU ranks (gloo) generates what 1 rank does."""
+import pytest
+
 from dist import torchrun
 from test_engine import tiny_model
 
@@ -56,6 +58,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.dist
 def test_tp2_equals_tp1(tmp_path):
     path = tmp_path / "qwen2"
     tiny_model("qwen2").save_pretrained(str(path))

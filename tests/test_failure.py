@@ -68,6 +68,7 @@ def fail_time(run) -> float:
     return float(re.search(r"T_FAIL (\S+)", run.outputs[0]).group(1))
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_worker_exception_reaches_controller_and_ends_every_rank(tmp_path, nproc):
     victim = nproc - 1
@@ -82,6 +83,7 @@ def test_worker_exception_reaches_controller_and_ends_every_rank(tmp_path, nproc
     assert "a worker call failed earlier" in controller
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_worker_sigkilled_mid_call_ends_the_run(tmp_path, nproc):
     victim = nproc - 1
@@ -93,6 +95,7 @@ def test_worker_sigkilled_mid_call_ends_the_run(tmp_path, nproc):
     assert f"failed on rank {victim}" in run.outputs[0], run.output
 
 
+@pytest.mark.dist
 def test_controller_sigkilled_mid_call_ends_the_run(tmp_path):
     """The workers notice the controller's heartbeat stopping (timeout shortened here)."""
     run = run_ranks(SCRIPT, 2, args=["kill", 0], tmp_path=tmp_path, timeout=200,

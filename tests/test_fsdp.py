@@ -169,6 +169,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("tie", [False, True])
 def test_log_probs_equal_transformers_forward(tmp_path, tie):
     path = tiny_model_dir(tmp_path / "model", tie=tie)
@@ -226,6 +227,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.dist
 def test_one_rank_and_two_ranks_train_the_same(tmp_path):
     """FSDP2 changes the layout, not the math: same losses and weights after 3 updates
     (8 sequences of varying lengths, 2 mini-batches x 2 epochs each, clipping, a schedule,
@@ -301,6 +303,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.dist
 def test_on_policy_update_skips_the_old_log_probs_pass(tmp_path):
     """Without old_log_probs an on-policy update uses its own detached log-probs: the same
     update as recomputing them first, on 1 and on 2 ranks; an off-policy one refuses."""

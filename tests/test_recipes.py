@@ -32,6 +32,7 @@ def without_timing(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(TIMING)}
 
 
+@pytest.mark.dist
 def test_ppo_split_placement_on_4_ranks_logs_every_metric_and_exports(tiny_model, tmp_path):
     out = tmp_path / "ppo"
     torchrun(str(RECIPES / "ppo.py"), 4, small_run(tiny_model, out, 2, "--trainer.placement", "split",
@@ -54,6 +55,7 @@ def test_ppo_split_placement_on_4_ranks_logs_every_metric_and_exports(tiny_model
     assert changed, "the exported actor should carry the trained weights"
 
 
+@pytest.mark.dist
 def test_ppo_resumed_run_matches_the_uninterrupted_one(tiny_model, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ("--trainer.no-export", "--algo.critic-warmup", 1)   # step 1 trains the critic only
@@ -72,6 +74,7 @@ def test_ppo_resumed_run_matches_the_uninterrupted_one(tiny_model, tmp_path):
         assert x == pytest.approx(y, rel=1e-5, abs=1e-7), x["step"]
 
 
+@pytest.mark.dist
 def test_grpo_colocated_with_reference_runs(tiny_model, tmp_path):
     out = tmp_path / "grpo"
     torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 2, "--algo.kl-coef", 0.01,
@@ -83,6 +86,7 @@ def test_grpo_colocated_with_reference_runs(tiny_model, tmp_path):
     assert logged[2]["comm/actor_received_MiB"] > 0   # what rank 0's collectives received this step
 
 
+@pytest.mark.dist
 def test_grpo_off_policy_old_log_probs_from_the_rollout_equal_recomputed(tiny_model, tmp_path):
     """Two epochs per batch: the engine's sampled-token log-probs as the old ones give the
     update that a separate forward pass gives (fp32), without that pass."""
@@ -97,6 +101,7 @@ def test_grpo_off_policy_old_log_probs_from_the_rollout_equal_recomputed(tiny_mo
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6), a["step"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", ["unknown flag", "batch does not divide", "missing file", "unsupported model"])
 def test_bad_input_stops_before_work_with_a_message(case, tiny_model, tmp_path):
     args = small_run(tiny_model, tmp_path / "out")

@@ -117,6 +117,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world,tps,row_on_dim1", [(2, "1,2", 1), (2, "1,2", 0), (4, "2,4", 1)])
 def test_generation_shards_after_an_update(tmp_path, world, tps, row_on_dim1):
     path = tiny_model_dir(tmp_path / "model", hidden=128, layers=3)

@@ -65,6 +65,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world,tps", [(2, "1,2"), (4, "2")])
 def test_engine_follows_training_weights(tmp_path, world, tps):
     """After an update the engine holds exactly the training weights (tp_g 1 and 2 on 2 ranks,
@@ -174,6 +175,7 @@ def classifier_dir(path, kind, seed=1):
     return str(path)
 
 
+@pytest.mark.dist
 def test_critic_reward_and_checkpoints(tmp_path):
     actor = tiny_model_dir(tmp_path / "actor", shard=False)
     critic = classifier_dir(tmp_path / "critic", "value")
