@@ -4,7 +4,7 @@ from dist import torchrun
 from test_fsdp import TESTS_ENV, tiny_model_dir
 
 from hflow.measure import AllocatedBytes
-from hflow.reshard import generation_layout, tensor_parallel_dim
+from hflow.reshard import generation_rank_grid, tensor_parallel_dim
 
 
 def test_allocated_bytes_follows_storages():
@@ -27,20 +27,20 @@ def test_allocated_bytes_follows_storages():
 
 
 def test_generation_shard_contains_training_shard():
-    """The layout claim: with tp groups strided, the rows rank i trains on (flat chunk i of N)
+    """The grid claim: with tp groups strided, the rows rank i trains on (flat chunk i of N)
     lie inside the rows it generates with (chunk t of tp, t = its tp index)."""
     for world, tp in [(2, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 4)]:
-        layout = generation_layout(list(range(world)), tp)
+        grid = generation_rank_grid(list(range(world)), tp)
         rows = 64
-        for t, group in enumerate(layout):
+        for t, group in enumerate(grid):
             for j, rank in enumerate(group):
                 train = set(range(rank * rows // world, (rank + 1) * rows // world))
                 gen = set(range(t * rows // tp, (t + 1) * rows // tp))
                 assert train <= gen, (world, tp, rank)
-        tp_group_of_rank0 = [group[0] for group in layout]
+        tp_group_of_rank0 = [group[0] for group in grid]
         assert tp_group_of_rank0 == list(range(0, world, world // tp))  # strided
     with pytest.raises(ValueError, match="tp-size 3"):
-        generation_layout([0, 1, 2, 3], 3)
+        generation_rank_grid([0, 1, 2, 3], 3)
 
 
 def test_tensor_parallel_dims():

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import transport
 from .batch import Batch
-from .dispatch import Layout, gather, mode_of, scatter
+from .dispatch import RankGrid, gather, mode_of, scatter
 from .parallel import set_device
 from .server import Call, Release, Server, Spawn, Stop, hard_exit, log, to_cpu
 
@@ -108,10 +108,10 @@ class RemoteMethod:
 
     def future(self, *args, **kwargs) -> Future:
         g = self.group
-        calls, ctx = scatter(self.mode, g.layout, to_cpu(args), to_cpu(kwargs))
+        calls, ctx = scatter(self.mode, g.grid, to_cpu(args), to_cpu(kwargs))
         tasks = {c.rank: Call(g.group_id, self.name, c.args, c.kwargs, c.returns) for c in calls}
         return g.cluster._issue(f"{g.worker_class.__name__}.{self.name}", tasks,
-                                lambda parts: gather(self.mode, g.layout, ctx, parts))
+                                lambda parts: gather(self.mode, g.grid, ctx, parts))
 
     def __repr__(self):
         return f"<{self.group.worker_class.__name__}.{self.name} @dispatch({self.mode!r}) " \
@@ -121,14 +121,14 @@ class RemoteMethod:
 class WorkerGroup:
     """Handle to one worker object per rank of a mesh; its @dispatch methods are attributes."""
 
-    def __init__(self, cluster: "Cluster", group_id: int, worker_class: type, layout: Layout):
+    def __init__(self, cluster: "Cluster", group_id: int, worker_class: type, grid: RankGrid):
         self.cluster, self.group_id = cluster, group_id
-        self.worker_class, self.layout = worker_class, layout
+        self.worker_class, self.grid = worker_class, grid
         self.closed = False
 
     @property
     def ranks(self) -> list[int]:
-        return self.layout.ranks
+        return self.grid.ranks
 
     def close(self) -> None:
         """Free the group's workers on every rank — models, optimizers, engines — once the
@@ -158,8 +158,8 @@ class WorkerGroup:
         return [n for n in dir(self.worker_class) if mode_of(getattr(self.worker_class, n, None))]
 
     def __repr__(self):
-        return f"<WorkerGroup {self.worker_class.__name__} mesh {self.layout.shape} " \
-               f"{self.layout.dim_names} on ranks {self.ranks}>"
+        return f"<WorkerGroup {self.worker_class.__name__} mesh {self.grid.shape} " \
+               f"{self.grid.dim_names} on ranks {self.ranks}>"
 
 
 class Cluster:
@@ -192,15 +192,15 @@ class Cluster:
             raise ValueError(f"spawn: ranks {ranks} must be distinct ranks of "
                              f"0..{self.world_size - 1}")
         shape = (len(ranks),) if mesh_shape is None else tuple(mesh_shape)
-        layout = Layout.of(ranks, shape, tuple(mesh_dim_names))
+        grid = RankGrid.of(ranks, shape, tuple(mesh_dim_names))
         group_id = next(self._group_ids)
         # every rank builds the mesh (process-group creation is collective over the world);
         # only members get the class and arguments
-        tasks = {r: Spawn(group_id, layout, self.device_type, worker_class, to_cpu(args), to_cpu(kwargs))
-                 if r in ranks else Spawn(group_id, layout, self.device_type)
+        tasks = {r: Spawn(group_id, grid, self.device_type, worker_class, to_cpu(args), to_cpu(kwargs))
+                 if r in ranks else Spawn(group_id, grid, self.device_type)
                  for r in range(self.world_size)}
         self._issue(f"spawn {worker_class.__name__}", tasks, lambda parts: None).result()
-        return WorkerGroup(self, group_id, worker_class, layout)
+        return WorkerGroup(self, group_id, worker_class, grid)
 
     # ---- issuing calls ---------------------------------------------------------------------
     def _issue(self, what: str, tasks: dict[int, tuple], combine) -> Future:

@@ -55,19 +55,19 @@ def mode_of(fn) -> str | None:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A group's ranks arranged as its DeviceMesh: `mesh` is a nested list of global ranks."""
+class RankGrid:
+    """A group's ranks arranged as its DeviceMesh will be: `mesh` is a nested list of global ranks."""
     mesh: tuple
     dim_names: tuple[str, ...]
 
     @staticmethod
-    def of(ranks: list[int], shape: tuple[int, ...], dim_names: tuple[str, ...]) -> "Layout":
+    def of(ranks: list[int], shape: tuple[int, ...], dim_names: tuple[str, ...]) -> "RankGrid":
         if len(shape) != len(dim_names):
             raise ValueError(f"mesh shape {shape} has {len(shape)} dims but names {dim_names}")
         if torch.Size(shape).numel() != len(ranks):
             raise ValueError(f"mesh shape {shape} does not fit the {len(ranks)} ranks {ranks}")
         array = torch.tensor(ranks).reshape(shape)
-        return Layout(_freeze(array.tolist()), tuple(dim_names))
+        return RankGrid(_freeze(array.tolist()), tuple(dim_names))
 
     # cached: a call looks these up once per rank
     @cached_property
@@ -124,16 +124,16 @@ class RankCall:
     returns: bool          # False: run it, but send back nothing (a tp peer's duplicate)
 
 
-def scatter(mode: str, layout: Layout, args: tuple, kwargs: dict) -> tuple[list[RankCall], Any]:
+def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict) -> tuple[list[RankCall], Any]:
     """Per-rank arguments for a call, plus the context `gather` needs."""
     if mode == "all":
-        return [RankCall(r, args, kwargs, True) for r in layout.ranks], None
+        return [RankCall(r, args, kwargs, True) for r in grid.ranks], None
     if mode == "one":
-        return [RankCall(layout.ranks[0], args, kwargs, True)], None
+        return [RankCall(grid.ranks[0], args, kwargs, True)], None
     if mode != "dp":
         raise ValueError(f"unknown dispatch mode {mode!r}")
 
-    n_shards = layout.dp_size
+    n_shards = grid.dp_size
     batch_args = [(i, a) for i, a in enumerate(args) if isinstance(a, Batch)]
     batch_kwargs = [(k, a) for k, a in kwargs.items() if isinstance(a, Batch)]
     lengths = {len(b) for _, b in batch_args + batch_kwargs}
@@ -147,10 +147,10 @@ def scatter(mode: str, layout: Layout, args: tuple, kwargs: dict) -> tuple[list[
     arg_shards = {i: shards(b) for i, b in batch_args}
     kwarg_shards = {k: shards(b) for k, b in batch_kwargs}
 
-    leaders = set(layout.dp_leaders())
+    leaders = set(grid.dp_leaders())
     calls = []
-    for rank in layout.ranks:
-        d = layout.dp_index(rank)
+    for rank in grid.ranks:
+        d = grid.dp_index(rank)
         rank_args = tuple(arg_shards[i][d] if i in arg_shards else a for i, a in enumerate(args))
         rank_kwargs = {k: kwarg_shards[k][d] if k in kwarg_shards else a
                        for k, a in kwargs.items()}
@@ -158,14 +158,14 @@ def scatter(mode: str, layout: Layout, args: tuple, kwargs: dict) -> tuple[list[
     return calls, n_rows
 
 
-def gather(mode: str, layout: Layout, n_rows, results: dict[int, Any]) -> Any:
+def gather(mode: str, grid: RankGrid, n_rows, results: dict[int, Any]) -> Any:
     """Combine per-rank results (rank -> value) into what the controller's call returns."""
     if mode == "all":
-        return [results[r] for r in layout.ranks]
+        return [results[r] for r in grid.ranks]
     if mode == "one":
-        return results[layout.ranks[0]]
+        return results[grid.ranks[0]]
 
-    outs = [results[r] for r in layout.dp_leaders()]
+    outs = [results[r] for r in grid.dp_leaders()]
     if n_rows is None or not all(isinstance(o, Batch) for o in outs):
         return outs
     shard_rows = -(-n_rows // len(outs))                       # m = ceil(N / D)

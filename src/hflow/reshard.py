@@ -47,7 +47,7 @@ def tensor_parallel_dim(name: str) -> int | None:
     return None
 
 
-def generation_layout(ranks: Sequence[int], tp_size: int) -> list[list[int]]:
+def generation_rank_grid(ranks: Sequence[int], tp_size: int) -> list[list[int]]:
     """The (tp, dp) rank array of the generation mesh over the training ranks, in training order."""
     ranks = list(ranks)
     if tp_size < 1 or len(ranks) % tp_size:
@@ -61,10 +61,10 @@ def generation_mesh(train_mesh: DeviceMesh, tp_size: int,
     """Build the (tp, dp) mesh over the training mesh's ranks. Creating process groups is
     collective: `make_mesh` (e.g. hflow.parallel.make_mesh) must be called on the right ranks;
     the default builds the DeviceMesh directly, which every rank of the world must call."""
-    layout = generation_layout(train_mesh.mesh.flatten().tolist(), tp_size)
+    grid = generation_rank_grid(train_mesh.mesh.flatten().tolist(), tp_size)
     if make_mesh is not None:
-        return make_mesh(layout, ("tp", "dp"))
-    return DeviceMesh(train_mesh.device_type, torch.tensor(layout), mesh_dim_names=("tp", "dp"))
+        return make_mesh(grid, ("tp", "dp"))
+    return DeviceMesh(train_mesh.device_type, torch.tensor(grid), mesh_dim_names=("tp", "dp"))
 
 
 def generation_shard(param: DTensor, gen_mesh: DeviceMesh, dim: int | None,

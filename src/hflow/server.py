@@ -39,7 +39,7 @@ class Spawn:
     """Build a group's mesh (every rank: process-group creation is collective) and, on its
     members, `worker_class(mesh, *args, **kwargs)`; other ranks get worker_class None."""
     group_id: int
-    layout: Any                  # hflow.dispatch.Layout
+    grid: Any                    # hflow.dispatch.RankGrid
     device_type: str
     worker_class: type | None = None
     args: tuple = ()
@@ -72,7 +72,7 @@ class Server:
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
         self.workers: dict[int, object] = {}         # group id -> worker object on this rank
-        self._meshes: dict[tuple, DeviceMesh] = {}   # (layout, device type) -> mesh
+        self._meshes: dict[tuple, DeviceMesh] = {}   # (grid, device type) -> mesh
         self._queue: dict[int, tuple] = {}           # seq -> (task, future)
         self._next_seq = 0
         self._cv = threading.Condition()
@@ -151,7 +151,7 @@ class Server:
                 out = getattr(worker, task.method)(*task.args, **task.kwargs)
             return to_cpu(out) if task.returns else None
         if isinstance(task, Spawn):
-            mesh = self._mesh(task.layout, task.device_type)
+            mesh = self._mesh(task.grid, task.device_type)
             if task.worker_class is not None:
                 self.workers[task.group_id] = task.worker_class(mesh, *task.args, **task.kwargs)
             return None
@@ -163,14 +163,14 @@ class Server:
             return None
         raise ValueError(f"unknown task {task!r}")
 
-    def _mesh(self, layout, device_type: str) -> DeviceMesh:
-        """One DeviceMesh (one set of process groups) per distinct layout: colocated groups
-        with the same layout share it. Every rank sees every spawn, so every rank makes the
+    def _mesh(self, grid, device_type: str) -> DeviceMesh:
+        """One DeviceMesh (one set of process groups) per distinct grid: colocated groups
+        with the same grid share it. Every rank sees every spawn, so every rank makes the
         same create-or-reuse decision and the collective group creation lines up."""
-        key = (layout, device_type)
+        key = (grid, device_type)
         if key not in self._meshes:
-            self._meshes[key] = DeviceMesh(device_type, layout.array,
-                                           mesh_dim_names=layout.dim_names)
+            self._meshes[key] = DeviceMesh(device_type, grid.array,
+                                           mesh_dim_names=grid.dim_names)
         return self._meshes[key]
 
 
