@@ -9,8 +9,9 @@ Workloads (`--workload`), each on a random Qwen2, fp32, sampling at temperature 
   grpo-equal  16 prompts of 8-64 tokens x n=4, <= 32 new tokens, no EOS (all full length); 25M.
   grpo-vary   the same with <= 96 new tokens and EOS prob 0.015 (mean length ~50).
 The three recipe workloads run the engine as the recipes' rollout does: the default KV budget
-(256 sequences of max_model_len = 256 tokens, <= 1 GiB) and asleep (level 1) between calls, so
-that every generate() allocates its KV cache again. `--per-rank` runs one rank's share of a 2-rank run: half the prompts on one thread.
+(256 sequences of max_model_len = 256 tokens, <= 1 GiB), and between calls (untimed) asleep
+at level 2, woken up and loaded with the weights again, so that every timed generate()
+allocates its KV cache and packs its weights (if it does) again. `--per-rank` runs one rank's share of a 2-rank run: half the prompts on one thread.
 The random model's next-token distribution is almost uniform; its EOS logit is lifted by a
 constant so that every step ends a sequence with probability ~--eos-prob.
 
@@ -89,7 +90,7 @@ def count_until_eos(tokens: list[int], eos: int) -> int:
 
 def setup_hflow(model, prompts, n, max_new, eos, seed, recipe=False):
     """Build the engine and warm it up; return the timed call. `recipe`: as the recipes' rollout
-    runs it, with the default KV budget and asleep between calls (each call allocates the cache)."""
+    runs it, with the default KV budget, asleep and given its weights again between calls."""
     from hflow.engine import LLM, SamplingParams
 
     if recipe:
@@ -99,13 +100,15 @@ def setup_hflow(model, prompts, n, max_new, eos, seed, recipe=False):
                   max_num_seqs=len(prompts) * n)
     llm.generate(prompts[:4], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=seed))
 
+    def prepare():  # untimed: what the rollout does between two generate() calls
+        llm.sleep(level=2)
+        llm.wake_up()
+        llm.load_weights(model.state_dict().items())
+
     def run():
-        if recipe:
-            llm.sleep(level=1)
-            llm.wake_up()
         outs = llm.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_new, seed=seed))
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
-    run.llm = llm
+    run.llm, run.prepare = llm, prepare if recipe else None
     return run
 
 
@@ -161,6 +164,8 @@ def profile_hflow(run, repeat: int) -> None:
         return done, is_prefill
     llm.step = timed_step
     for _ in range(repeat):
+        if run.prepare:
+            run.prepare()
         run()
     del llm.step
 
@@ -176,10 +181,14 @@ def profile_hflow(run, repeat: int) -> None:
             with record_function(_label):
                 return _fn(*a, **k)
         setattr(owner, attr, wrapped)
+    profs = []
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(repeat):
+        for _ in range(repeat):
+            if run.prepare:
+                run.prepare()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
                 run()
+            profs.append(prof)
     finally:
         for label, (owner, attr) in targets.items():  # module functions back, instances' copies gone
             setattr(owner, attr, saved[label][0]) if saved[label][1] else delattr(owner, attr)
@@ -189,7 +198,7 @@ def profile_hflow(run, repeat: int) -> None:
             yield c
             yield from walk(c)
     decode = []  # per decode step: wall, {label: time}, time in ops, top-level op calls
-    for e in prof.events():
+    for e in (e for prof in profs for e in prof.events()):
         if e.name != "hflow::step":
             continue
         inner = list(walk(e))
@@ -217,7 +226,7 @@ def profile_hflow(run, repeat: int) -> None:
     print(f"  {'other (in step)':>24}: {wall - shown:6.2f} ms ({100 * (wall - shown) / wall:4.1f} %)")
     print(f"time in torch ops {in_ops:.2f} ms/step ({mean([d[3] for d in decode]):.0f} top-level op calls); "
           f"Python overhead = step - ops = {wall - in_ops:.2f} ms/step ({100 * (1 - in_ops / wall):.0f} %)")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print(f"top ops of the last run:\n{prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=15)}")
 
 
 def main():
@@ -259,6 +268,8 @@ def main():
     best: dict[str, tuple[float, int, float, float]] = {}
     for rep in range(args.repeat):  # interleaved, so that a busy spell hits every engine alike
         for name in names:
+            if getattr(runs[name], "prepare", None):
+                runs[name].prepare()
             cpu, start = time.process_time(), time.perf_counter()
             tokens = runs[name]()
             dt, cpu = time.perf_counter() - start, time.process_time() - cpu

@@ -91,6 +91,29 @@ def test_greedy_matches_transformers_generate(saved, arch):
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > len(outs) // 2  # not degenerate
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_weights_match_transformers_generate(saved, arch, monkeypatch):
+    """Small decode batches switch the matmuls to packed weights (oneDNN, CPU fp32): greedy
+    output still equals transformers' generate; new weights drop the packed copies."""
+    import hflow.engine.model_runner as model_runner
+
+    path, model = saved[arch]
+    llm = LLM.from_pretrained(path)
+    if not llm.runner.packable:
+        pytest.skip("no oneDNN packed matmul here")
+    monkeypatch.setattr(model_runner, "PACK_MIN_STEPS", 1)
+    prompts = prompts_of(PROMPT_LENGTHS[::3], seed=7)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    assert llm.runner.packed and llm.model.layers[0].mlp.down_proj.packed is not None
+    for prompt, out in zip(prompts, outs):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref, f"{arch}, prompt of {len(prompt)} tokens"
+        lp = reference_logprobs(model, prompt, ref, temperature=0)
+        assert (lp - torch.tensor(out.outputs[0].logprobs)).abs().max() < 1e-4
+    llm.load_weights(model.state_dict().items())
+    assert not llm.runner.packed and llm.model.layers[0].mlp.down_proj.packed is None
+
+
 def test_sampled_logprobs_match_forward(saved):
     path, model = saved["qwen2"]
     llm = LLM.from_pretrained(path)

@@ -134,6 +134,7 @@ class LLM:
         row-parallel biases are replicated: always the full tensor. Returns the names loaded.
         """
         targets, loaded = self.model.weight_targets(), set()
+        self.runner.unpack_weights()
         for name, tensor in named_tensors:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -174,6 +175,7 @@ class LLM:
         self.block_manager.reset()
         self._asleep = True
         if level >= 2 and not self._weights_freed:
+            self.runner.unpack_weights()
             for p in self._unique_parameters():
                 p.data.untyped_storage().resize_(0)
             self._weights_freed = True

@@ -8,6 +8,12 @@ Tensor parallelism over a process group of size tp:
 - row-parallel (o_proj, down_proj): each rank holds a contiguous chunk of the input columns
   and the partial products are summed with one all-reduce (the bias is added once, after);
 - norms, embeddings and lm_head are replicated (the vocabulary is not sharded).
+
+Packed weights (CPU, fp32): MKL's matmul is slow for the few rows of a small decode batch
+(8 rows cost as much as 32). oneDNN's, on a weight reordered once into its blocked layout,
+is 20-40 % faster for 4-32 rows (a 25M model, one thread), and a row's result does not
+depend on the batch size. `Linear.packed` holds that copy when the model runner asks for it
+(`pack_weights`); rows < PACKED_MIN_ROWS still go through F.linear (gemv is faster there).
 """
 from __future__ import annotations
 
@@ -35,6 +41,28 @@ def _param(*shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+PACKED_MIN_ROWS = 4
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's packed matmul is available for this weight."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a [out, in] weight (tuned for batches of ~32 rows)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b, on the packed copy of W when there is one and x has enough rows."""
+    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split into `sections` (fused projections); each
     section is chunked across the tp ranks, so rank r holds rows [r*s/tp, (r+1)*s/tp) of each."""
@@ -47,6 +75,7 @@ class ColumnParallelLinear(nn.Module):
         self.local_sections = [s // tp.size for s in sections]
         self.weight = _param(sum(self.local_sections), in_features, dtype=dtype, device=device)
         self.bias = _param(sum(self.local_sections), dtype=dtype, device=device) if bias else None
+        self.packed: torch.Tensor | None = None
 
     def section(self, tensor: torch.Tensor, i: int) -> torch.Tensor:
         """A view of section i's local rows of `tensor` (the weight or the bias)."""
@@ -54,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
         return tensor.detach()[start:start + self.local_sections[i]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RowParallelLinear(nn.Module):
@@ -67,9 +96,10 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = _param(out_features, in_features // tp.size, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
 
 

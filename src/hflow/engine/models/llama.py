@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hflow.engine.attention import AttentionMetadata, paged_attention
-from hflow.engine.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding,
-                                        RowParallelLinear, TPInfo, apply_rope)
+from hflow.engine.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                        TPInfo, apply_rope, can_pack, linear, pack)
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -131,6 +131,7 @@ class CausalLM(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg, max_len, dtype, device)
+        self.lm_head_packed: torch.Tensor | None = None
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
@@ -147,7 +148,17 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight)
+        return linear(hidden, self.lm_head_weight, None, self.lm_head_packed)
+
+    def pack_weights(self, on: bool = True) -> bool:
+        """Give every matmul a packed copy of its weight (layers.py), or drop them (on=False).
+        Returns whether the model's matmuls are now packed."""
+        on = on and can_pack(self.lm_head_weight)
+        for m in self.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                m.packed = pack(m.weight) if on else None
+        self.lm_head_packed = pack(self.lm_head_weight) if on else None
+        return on
 
     def weight_targets(self) -> dict[str, tuple[torch.Tensor, int | None]]:
         """Hugging Face name -> (view of our storage, tensor-parallel shard dim or None)."""
