@@ -170,12 +170,15 @@ class BlockManager:
     def reset(self) -> None:
         """Forget cached prefixes and which blocks were touched (after the cache was freed)."""
         self.reset_prefix_cache()
-        self.free = OrderedDict((i, None) for i in range(len(self.blocks)))
+        # untouched blocks are still in order at the head of the free list: put the touched
+        # ones back in front of them, in order (O(touched), not O(num_blocks))
+        for block_id in range(self.num_touched_blocks - 1, -1, -1):
+            self.free.move_to_end(block_id, last=False)
         self.num_touched_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (after new weights, the cached KV is stale)."""
         assert self.num_used_blocks == 0, "reset_prefix_cache while sequences hold blocks"
-        for block in self.blocks:
+        for block in self.blocks[:self.num_touched_blocks]:  # only handed-out blocks have a hash
             block.hash, block.token_ids = None, ()
         self.hash_to_block.clear()
