@@ -31,10 +31,11 @@ from hflow import algos
 from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                           TrainerConfig)
 from hflow.data import PromptSampler
-from hflow.metrics import MetricsLogger, Timer
+from hflow.metrics import Timer
 from hflow.placement import colocate, split
-from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, resume_run, rollout_metrics, save_run, score
+from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, rollout_metrics, score
 from hflow.rewards import Scorer
+from hflow.run import Run
 from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
 
 
@@ -72,9 +73,10 @@ class Config:
 def grpo_loss(log_probs, mb, entropy=None, *, algo: GRPOConfig):
     """PPO clipped surrogate on group-relative advantages, plus the KL loss to the reference."""
     mask = mb["response_mask"]
+    # clipped below and above apart: a higher upper clip (DAPO) lets rare good tokens gain faster
     loss, metrics = algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask,
                                       algo.clip_low, algo.clip_high, agg=algo.loss_agg)
-    if algo.kl_coef > 0:
+    if algo.kl_coef > 0:   # GRPO puts the KL in the loss, not the reward: advantages stay group-relative
         kl = algos.masked_mean(algos.kl_penalty(log_probs, mb["ref_log_probs"], algo.kl_kind), mask)
         loss = loss + algo.kl_coef * kl
         metrics["kl_loss"] = kl.item()
@@ -93,22 +95,16 @@ def main(cluster: hflow.Cluster, cfg: Config):
     actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
     ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
 
-    step, out = 0, cfg.trainer.output_dir
-    if cfg.trainer.resume and (state := resume_run(f"{out}/checkpoints", {"actor": actor})):
-        step = state["step"]
-        sampler.load_state_dict(state["data"])
-    log = MetricsLogger(out, cfg.trainer.logging, cfg.trainer.steps, resume_step=step if cfg.trainer.resume else None)
     evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer, cfg.rollout, cfg.trainer.eval_size)
-    if step == 0:
-        log.log(0, evaluate_now())
+    run = Run(cfg.trainer, trained={"actor": actor}, state={"data": sampler}, evaluate=evaluate_now,
+              export=(actor, model_dir))
 
     loss_fn = functools.partial(grpo_loss, algo=cfg.algo)
     on_policy = is_on_policy(cfg.actor, cfg.data.batch_size)
     old_from_rollout = cfg.algo.old_log_probs == "rollout" or (
         cfg.algo.old_log_probs == "auto" and rollout_log_probs_exact(cfg.actor, cluster.device_type))
     timer = Timer()
-    while step < cfg.trainer.steps:
-        step += 1
+    for step in run.steps():
         with timer("step"):
             with timer("generate"):
                 rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
@@ -116,6 +112,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
             scores, metrics = score(batch, tokenizer, scorer)
             mask = batch["response_mask"]
             groups = torch.arange(len(batch)) // cfg.rollout.n       # the n samples of a prompt are adjacent
+            # the group's mean is the baseline: no critic; a group whose samples all scored alike teaches nothing
             batch["advantages"] = algos.grpo_advantages(scores, groups, mask, cfg.algo.norm_by_std)
             with timer("log_probs"):
                 refs = ref.log_probs.future(batch, cfg.rollout.temperature) if ref else None
@@ -136,15 +133,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
             metrics["kl/mean"] = metrics.get("actor/approx_kl", 0.0)
         metrics |= rollout_metrics(batch) | timer.pop()
         metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
-        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps:
-            metrics |= evaluate_now()
-        log.log(step, metrics)
-        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
-            save_run(f"{out}/checkpoints", step, {"actor": actor}, {"data": sampler.state_dict()},
-                     cfg.trainer.keep_last)
-    if cfg.trainer.export:
-        actor.export_hf(f"{out}/actor_hf", model_dir)
-    log.close()
+        run.end_step(step, metrics)
+    run.finish()
     scorer.close()
 
 

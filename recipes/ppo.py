@@ -34,10 +34,11 @@ from hflow import algos
 from hflow.config import (ActorConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
                           RolloutConfig, TrainerConfig)
 from hflow.data import PromptSampler
-from hflow.metrics import MetricsLogger, Timer
+from hflow.metrics import Timer
 from hflow.placement import colocate, split
-from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, resume_run, rollout_metrics, save_run, score
+from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, rollout_metrics, score
 from hflow.rewards import Scorer
+from hflow.run import Run
 from hflow.workers import Actor, check_batch_sizes, Critic, is_on_policy, Reference, rollout_log_probs_exact
 
 
@@ -90,6 +91,7 @@ class Config:
 
 def actor_loss(log_probs, mb, entropy=None, *, algo: PPOConfig, kl_coef: float):
     mask = mb["response_mask"]
+    # the clip keeps each update near the sampling policy; dual-clip bounds the loss of bad tokens
     loss, metrics = algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask,
                                       algo.clip_low, algo.clip_high, algo.dual_clip)
     if algo.kl_loss and kl_coef > 0:
@@ -124,17 +126,9 @@ def main(cluster: hflow.Cluster, cfg: Config):
     actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
     ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
     critic = cluster.spawn(Critic, cfg.critic, model_dir, ranks=plan["critic"])
-    trained = {"actor": actor, "critic": critic}
-
-    step, out = 0, cfg.trainer.output_dir
-    if cfg.trainer.resume and (state := resume_run(f"{out}/checkpoints", trained)):
-        step = state["step"]
-        sampler.load_state_dict(state["data"])
-        kl_ctrl.load_state_dict(state["kl_ctrl"])
-    log = MetricsLogger(out, cfg.trainer.logging, cfg.trainer.steps, resume_step=step if cfg.trainer.resume else None)
     evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer, cfg.rollout, cfg.trainer.eval_size)
-    if step == 0:
-        log.log(0, evaluate_now())
+    run = Run(cfg.trainer, trained={"actor": actor, "critic": critic}, state={"data": sampler, "kl_ctrl": kl_ctrl},
+              evaluate=evaluate_now, export=(actor, model_dir))
 
     timer, temperature = Timer(), cfg.rollout.temperature
     # on-policy, the update's own log-probs (detached) are the old ones: ratio 1, one forward fewer;
@@ -142,8 +136,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     need_old = not is_on_policy(cfg.actor, cfg.data.batch_size) or (ref is not None and not algo.kl_loss)
     old_from_rollout = algo.old_log_probs == "rollout" or (
         algo.old_log_probs == "auto" and rollout_log_probs_exact(cfg.actor, cluster.device_type))
-    while step < cfg.trainer.steps:
-        step += 1
+    for step in run.steps():
         with timer("step"):
             with timer("generate"):
                 rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
@@ -158,37 +151,31 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 for part in parts:
                     batch = batch | part.result()
             mask = batch["response_mask"]
-            token_rewards = algos.scores_to_token_rewards(scores, mask)
+            token_rewards = algos.scores_to_token_rewards(scores, mask)   # the score lands on the last token
             if ref:
                 sampled = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
                 kl = algos.kl_penalty(sampled, batch["ref_log_probs"], "k1") * mask
                 metrics["kl/mean"] = algos.masked_mean(kl, mask).item()
                 metrics["kl/coef"] = kl_ctrl.value
-                if not algo.kl_loss:
+                if not algo.kl_loss:   # the KL in the reward keeps each token near the reference policy
                     token_rewards = token_rewards - kl_ctrl.value * kl
             advantages, batch["returns"] = algos.gae_advantages(token_rewards, batch["values"], mask,
                                                                 algo.gamma, algo.lam)
+            # whitened: the update's step size no longer depends on the reward's scale
             batch["advantages"] = algos.masked_whiten(advantages, mask)
             with timer("update"):      # the critic and the actor train at the same time when split
                 critic_update = critic.update.future(batch, functools.partial(critic_loss, algo=algo))
-                if step > algo.critic_warmup:
+                if step > algo.critic_warmup:   # advantages from an untrained critic are noise
                     loss_fn = functools.partial(actor_loss, algo=algo, kl_coef=kl_ctrl.value)
                     metrics |= actor.update(batch, loss_fn, with_entropy=algo.entropy_coef > 0)[0]
                 metrics |= critic_update.result()[0]
-        if ref:
+        if ref:   # the adaptive controller moves beta towards --algo.kl-target (the fixed one ignores this)
             kl_ctrl.update(metrics["kl/mean"], len(batch))
         metrics |= rollout_metrics(batch) | timer.pop()
         metrics["values/mean"] = algos.masked_mean(batch["values"], mask).item()
         metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
-        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps:
-            metrics |= evaluate_now()
-        log.log(step, metrics)
-        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
-            save_run(f"{out}/checkpoints", step, trained,
-                     {"data": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict()}, cfg.trainer.keep_last)
-    if cfg.trainer.export:
-        actor.export_hf(f"{out}/actor_hf", model_dir)
-    log.close()
+        run.end_step(step, metrics)
+    run.finish()
     scorer.close()
 
 

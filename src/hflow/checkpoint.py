@@ -327,3 +327,29 @@ def _save_pretrained(model, state_dict: dict, path: Path, tokenizer):
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         tokenizer.save_pretrained(path)
+
+
+# ---- checkpoints of a whole run: every trained worker group + the controller's state -----------
+
+def save_run(root, step: int, groups: dict, extra: dict, keep_last: int | None = None) -> Path:
+    """Checkpoint every trainable worker group (sharded, in parallel) and the controller's own
+    state, committed as `<root>/step_<step>` only when all of it is written."""
+    tmp = begin_save(root, step)
+    futures = [group.save.future(str(tmp / role)) for role, group in groups.items()]
+    for future in futures:
+        future.result()
+    write_extra(tmp, {**extra, "rng": rng_state()})
+    return commit(root, step, keep_last)
+
+
+def resume_run(root, groups: dict) -> dict | None:
+    """Load the latest complete checkpoint under `root` into the groups; returns the controller
+    state saved with it (None when there is none)."""
+    path = latest_checkpoint(root)
+    if path is None:
+        return None
+    for future in [group.load.future(str(path / role)) for role, group in groups.items()]:
+        future.result()
+    extra = read_extra(path)
+    set_rng_state(extra.pop("rng"))
+    return {**extra, "step": checkpoint_step(path)}

@@ -1,0 +1,60 @@
+"""The bookkeeping of a run around a recipe's loop: the step counter and resume, the metrics
+logger, the evaluation and checkpoint cadence, the final export. Never the algorithm.
+
+    run = Run(cfg.trainer, trained={"actor": actor, "critic": critic},
+              state={"data": sampler, "kl_ctrl": kl_ctrl}, evaluate=evaluate_now,
+              export=(actor, model_dir))
+    for step in run.steps():          # resumes after the latest checkpoint with --trainer.resume
+        metrics = ...                 # the algorithm
+        run.end_step(step, metrics)   # evaluates, logs and checkpoints on their cadence
+    run.finish()                      # exports the final policy, closes the logger
+
+`trained` are the worker groups whose models, optimizers and schedules each checkpoint holds;
+`state` holds controller objects with state_dict/load_state_dict (the data sampler, a KL
+controller), saved with every checkpoint and restored on resume together with the RNG.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+from hflow import checkpoint
+from hflow.metrics import MetricsLogger
+
+
+class Run:
+    def __init__(self, trainer, trained: dict, state: dict | None = None,
+                 evaluate: Callable[[], dict] | None = None, export: tuple | None = None):
+        self.cfg, self.trained, self.state = trainer, trained, state or {}
+        self.evaluate, self.export = evaluate, export
+        self.root = Path(trainer.output_dir) / "checkpoints"
+        self.start_step = 0
+        if trainer.resume and (extra := checkpoint.resume_run(self.root, trained)):
+            self.start_step = extra["step"]
+            for name, obj in self.state.items():
+                obj.load_state_dict(extra[name])
+        self.logger = MetricsLogger(trainer.output_dir, trainer.logging, trainer.steps,
+                                    resume_step=self.start_step if trainer.resume else None)
+
+    def steps(self) -> Iterator[int]:
+        """1 .. --trainer.steps, after the resumed step; a fresh run first logs step 0's evaluation."""
+        if self.start_step == 0 and self.evaluate:
+            self.logger.log(0, self.evaluate())
+        yield from range(self.start_step + 1, self.cfg.steps + 1)
+
+    def end_step(self, step: int, metrics: dict) -> None:
+        """Evaluate every --trainer.eval-every steps and at the last, log, checkpoint every
+        --trainer.save-every steps."""
+        if self.evaluate and (self.cfg.eval_every and step % self.cfg.eval_every == 0 or step == self.cfg.steps):
+            metrics |= self.evaluate()
+        self.logger.log(step, metrics)
+        if self.cfg.save_every and step % self.cfg.save_every == 0:
+            extra = {name: obj.state_dict() for name, obj in self.state.items()}
+            checkpoint.save_run(self.root, step, self.trained, extra, self.cfg.keep_last)
+
+    def finish(self) -> None:
+        """Export the policy (`export` = (worker group, tokenizer directory)) to output_dir/actor_hf."""
+        if self.cfg.export and self.export:
+            group, tokenizer_dir = self.export
+            group.export_hf(f"{self.cfg.output_dir}/actor_hf", tokenizer_dir)
+        self.logger.close()
