@@ -35,6 +35,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from transformers import AutoTokenizer
 
 EXTRA_FILE = "extra.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -77,7 +80,7 @@ def rng_state() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
-        import numpy as np
+        import numpy as np   # optional: numpy's stream is saved when numpy is there
         state["numpy"] = np.random.get_state()
     except ImportError:
         pass
@@ -90,7 +93,7 @@ def set_rng_state(state: dict):
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
-        import numpy as np
+        import numpy as np   # optional, as in rng_state
         np.random.set_state(state["numpy"])
 
 
@@ -288,8 +291,6 @@ def export_hf(model, path, tokenizer=None, process_group=None) -> Path:
     `full_state_dict=True, cpu_offload=True` would keep the tensors on *global* rank 0, which
     is not in the group when the actor does not live on rank 0.)
     """
-    from torch.distributed.tensor import DTensor
-
     writer = _rank(process_group) == 0
     sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     full = {}
@@ -310,7 +311,6 @@ def _save_pretrained(model, state_dict: dict, path: Path, tokenizer):
     # fully_shard swaps the module's class for a subclass named FSDP<Class>; save_pretrained
     # would write that name into config.architectures. Rebuild the plain class on the meta
     # device and assign the gathered tensors to it instead.
-    from torch.distributed.fsdp import FSDPModule
 
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with torch.device("meta"):
@@ -324,7 +324,6 @@ def _save_pretrained(model, state_dict: dict, path: Path, tokenizer):
     plain.save_pretrained(path, safe_serialization=True)
     if tokenizer is not None:
         if isinstance(tokenizer, (str, os.PathLike)):
-            from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         tokenizer.save_pretrained(path)
 

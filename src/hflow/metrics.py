@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 METRICS_FILE = "metrics.jsonl"
 
 # Shown on the console line, in this order, when present; everything goes to metrics.jsonl.
@@ -117,7 +119,7 @@ class MetricsLogger:
 
     def _open_tensorboard(self, resume_step):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter   # optional: --trainer.logging.tensorboard
         except ImportError as e:
             raise _missing("tensorboard", "--trainer.logging.tensorboard") from e
         # purge_step drops events the crashed run wrote after the checkpoint it resumes from.
@@ -126,7 +128,7 @@ class MetricsLogger:
 
     def _open_wandb(self, resume_step, run_config):
         try:
-            import wandb
+            import wandb   # optional: --trainer.logging.wandb
         except ImportError as e:
             raise _missing("wandb", "--trainer.logging.wandb") from e
         # Keep the run id next to the metrics so that a resumed run continues the same wandb run.
@@ -211,8 +213,6 @@ def progress(iterable=None, total: int | None = None, desc: str = "", enabled: b
     when done (the step's console line is the record); off a terminal it redraws every 10 s
     instead of every 0.1 s so that log files stay short.
     """
-    from tqdm import tqdm
-
     stream = sys.stderr
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, file=stream,
                 disable=not (progress_enabled() if enabled is None else enabled),

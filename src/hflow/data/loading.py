@@ -52,7 +52,7 @@ class PromptDataset:
 
 def _read_table(path: str, files_flag: str):
     """A ``datasets.Dataset`` from one file or save_to_disk directory."""
-    import datasets
+    import datasets   # loads on first use: `import hflow.data` stays quick for the built-in task
     if not os.path.exists(path):
         raise DataError(f"{files_flag}: no such file or directory: {path!r}")
     try:

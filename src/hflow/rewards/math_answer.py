@@ -168,7 +168,7 @@ def to_sympy(answer: str):
     words = re.findall(r"[a-zA-Z]+", text)
     if any(len(w) > 1 and w not in _NAMES for w in words):
         return None
-    import sympy
+    import sympy   # loads when a math answer needs it: slow to import, and most rewards never do
     from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
                                             standard_transformations)
     symbols = {w: sympy.Symbol(w) for w in words if len(w) == 1}  # "E", "N", "S" stay variables

@@ -332,7 +332,7 @@ class Scorer:
     """``RewardConfig`` made callable: ``Scorer(cfg.reward)(responses, ground_truths, extras)``."""
 
     def __init__(self, cfg: RewardConfig):
-        from hflow.rewards import get_reward_fn
+        from hflow.rewards import get_reward_fn   # here: hflow.rewards imports this module
         self.cfg = cfg
         self.fn = get_reward_fn(cfg.fn)
         self._pool: Optional[RewardPool] = None

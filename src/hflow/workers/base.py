@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hflow import measure
+from hflow.checkpoint import ModelState, export_hf, load_sharded, save_sharded
 from hflow.dispatch import dispatch
 from hflow.workers import layout
 from hflow.workers.fsdp import (FSDPConfig, OptimConfig, all_reduce_sum, build_optimizer, clip_grad_norm_, device_of,
@@ -203,29 +204,21 @@ class ModelWorker:
     # ---- checkpoints -----------------------------------------------------------------------
 
     def _state(self):
-        from hflow.checkpoint import ModelState
-
         return {"model": ModelState(self.model, self.optimizer, self.scheduler)}
 
     @dispatch("all")
     def save(self, path: str) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of the model, optimizer and
         schedule in the directory `path`. Collective over the group."""
-        from hflow.checkpoint import save_sharded
-
         save_sharded(path, self._state(), self.mesh.get_group())
 
     @dispatch("all")
     def load(self, path: str) -> None:
         """Resume from `save(path)`, on any number of ranks. Collective over the group."""
-        from hflow.checkpoint import load_sharded
-
         load_sharded(path, self._state(), self.mesh.get_group())
 
     @dispatch("all")
     def export_hf(self, path: str, tokenizer: str | None = None) -> None:
         """Write a Hugging Face directory that `from_pretrained` loads (and the tokenizer of the
         directory `tokenizer`, if given). Collective; the group's first rank writes."""
-        from hflow.checkpoint import export_hf
-
         export_hf(self.model, path, tokenizer=tokenizer, process_group=self.mesh.get_group())

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
 from hflow.workers import layout, packing
+from hflow.workers.actor import Actor
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta
 from hflow.workers.fsdp import OptimConfig, build_model
 
@@ -57,8 +58,6 @@ class Critic(ModelWorker):
     def update(self, batch, loss_fn: Callable) -> dict[str, float]:
         """Train on a batch (epochs x mini-batches as the Actor); loss_fn(values [b, r],
         micro_batch) -> (loss, metrics). Returns critic/loss, critic/grad_norm, critic/lr, ..."""
-        from hflow.workers.actor import Actor
-
         def loss_of(mb):
             return loss_fn(self._values(mb), Actor.wrap(mb, batch))
 

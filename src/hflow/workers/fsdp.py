@@ -26,11 +26,14 @@ from typing import Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification)
 
 from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
 from hflow.workers.packing import register_attention
@@ -201,8 +204,6 @@ def load_hf_weights(model: nn.Module, path: str, ignore: Callable[[str], bool] =
     """Fill every (sharded) parameter from the safetensors files in `path`, reading only the
     slice this rank owns. Checkpoint keys for which `ignore(key)` holds are skipped; model
     parameters left unfilled are an error unless `allow_missing(name)`."""
-    from safetensors import safe_open
-
     params = dict(model.named_parameters())  # tied weights appear once
     filled = set()
     for file in checkpoint_files(path):
@@ -278,9 +279,6 @@ def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causa
     A "value" model built from a causal-LM checkpoint keeps the backbone and gets a new head,
     normal(0, initializer_range) from `head_init_seed` (the same on every rank).
     """
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
-                              AutoModelForTokenClassification)
-
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path!r} is not a Hugging Face model directory (no config.json)")
     config = AutoConfig.from_pretrained(path)

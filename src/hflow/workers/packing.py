@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
 ATTENTION = "hflow_varlen"
 
 
@@ -57,9 +60,6 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 def register_attention() -> str:
     """Make `ATTENTION` a transformers attention implementation (idempotent); returns its name.
     The sequence bounds replace the mask, so transformers builds none."""
-    from transformers import AttentionInterface  # transformers loads on first use, not on `import hflow`
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(ATTENTION, varlen_attention)
     AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)
     return ATTENTION

@@ -17,8 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from transformers import GenerationConfig
 
+from hflow.batch import Batch
+from hflow.engine import LLM, SamplingParams
 from hflow.parallel import make_mesh
+from hflow.reshard import generation_mesh, generation_weights
 from hflow.workers import layout
 from hflow.workers.fsdp import device_of, mixed_precision
 
@@ -69,9 +73,6 @@ class Rollout:
 
     def _engine(self, cfg: RolloutConfig):
         """Build the generation mesh and the engine the first time (and when tp_size changes)."""
-        from hflow.engine import LLM
-        from hflow.reshard import generation_mesh
-
         if self.llm is not None and cfg.tp_size == self.tp_size:
             return self.llm
         self.llm = None  # free the engine of another tp size first
@@ -93,9 +94,6 @@ class Rollout:
     def generate(self, prompts: list[list[int]], cfg: RolloutConfig):
         """Sample `cfg.n` responses for each of this rank's prompts with the actor's current
         weights. Returns the engine's RequestOutputs, in prompt order."""
-        from hflow.engine import SamplingParams
-        from hflow.reshard import generation_weights
-
         llm = self._engine(cfg)
         llm.wake_up()
         llm.load_weights(generation_weights(self.model, self.gen_mesh, self.dtype))
@@ -118,8 +116,6 @@ class Rollout:
 
 def _eos_ids(model_path: str, config) -> list[int] | None:
     if os.path.exists(os.path.join(model_path, "generation_config.json")):
-        from transformers import GenerationConfig
-
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
@@ -148,8 +144,6 @@ def rollout_batch(prompts_batch, prompts: list[list[int]], outputs, n: int, pad_
     """The engine's outputs as a Batch in the layout of hflow/workers/layout.py, with the
     prompts' other columns repeated n times; widths agree over the mesh so that dp shards
     concatenate."""
-    from hflow.batch import Batch
-
     P = group_max(max(map(len, prompts), default=1), mesh)
     R = group_max(max((len(s.token_ids) for o in outputs for s in o.outputs), default=1), mesh)
     tensors, rows = layout.engine_outputs_to_tensors(prompts, outputs, pad_id, response_len=R, prompt_len=P)
