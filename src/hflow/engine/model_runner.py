@@ -15,17 +15,19 @@ import torch.distributed as dist
 
 from hflow.engine.attention import AttentionMetadata, DecodeBucket, PrefillSeq, gathered_blocks, plan_buckets
 from hflow.engine.block_manager import BlockManager
-from hflow.engine.models.layers import can_pack
+from hflow.engine.models.layers import PACKED_MIN_ROWS, can_pack
 from hflow.engine.models.llama import CausalLM
 from hflow.engine.sampler import sample
 from hflow.engine.sequence import Sequence
 
 
-# The matmuls switch to packed weights (models/layers.py) at a decode step of at most
-# PACK_MAX_ROWS rows with at least PACK_MIN_STEPS steps ahead: packing a 25M model costs ~55 ms,
-# what ~11 decode steps of 32 rows save. The packed copies are dropped when weights change.
-PACK_MAX_ROWS = 64
-PACK_MIN_STEPS = 16
+# The matmuls switch to packed weights (models/layers.py) at a decode step of PACKED_MIN_ROWS to
+# PACK_MAX_ROWS rows with at least PACK_MIN_STEPS steps ahead. Measured on the 2-core machine
+# (25M model, idle): packing costs 50 ms at 1 thread (35 ms at 2); per decode step it saves
+# 25-40 % of the matmul time at 4-16 rows, 7-12 % at 32, ~1-5 % at 64 (more when another
+# process shares the caches, as the other rank of a 2-rank run does). Dropped when weights change.
+PACK_MAX_ROWS = 32
+PACK_MIN_STEPS = 24
 
 
 class ModelRunner:
@@ -72,7 +74,7 @@ class ModelRunner:
             self.packed = False
 
     def _maybe_pack(self, seqs: list[Sequence]) -> None:
-        if self.packable and not self.packed and len(seqs) <= PACK_MAX_ROWS and max(
+        if self.packable and not self.packed and PACKED_MIN_ROWS <= len(seqs) <= PACK_MAX_ROWS and max(
                 min(s.params.max_tokens - s.num_completion_tokens, s.max_len - len(s)) for s in seqs) >= PACK_MIN_STEPS:
             self.packed = self.model.pack_weights()
 

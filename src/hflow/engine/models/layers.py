@@ -10,9 +10,9 @@ Tensor parallelism over a process group of size tp:
 - norms, embeddings and lm_head are replicated (the vocabulary is not sharded).
 
 Packed weights (CPU, fp32): MKL's matmul is slow for the few rows of a small decode batch
-(8 rows cost as much as 32). oneDNN's, on a weight reordered once into its blocked layout,
-is 20-40 % faster for 4-32 rows (a 25M model, one thread), and a row's result does not
-depend on the batch size. `Linear.packed` holds that copy when the model runner asks for it
+(8 rows cost about as much as 32). oneDNN's, on a weight reordered once into its blocked
+layout, is 25-40 % faster for 4-16 rows and ~10 % for 32 (a 25M model, 1-2 threads), and a
+row's result does not depend on the batch size. `Linear.packed` holds that copy when the model runner asks for it
 (`pack_weights`); rows < PACKED_MIN_ROWS still go through F.linear (gemv is faster there).
 """
 from __future__ import annotations
