@@ -12,8 +12,9 @@ Tensor parallelism over a process group of size tp:
 Packed weights (CPU, fp32): MKL's matmul is slow for the few rows of a small decode batch
 (8 rows cost about as much as 32). oneDNN's, on a weight reordered once into its blocked
 layout, is 25-40 % faster for 4-16 rows and ~10 % for 32 (a 25M model, 1-2 threads), and a
-row's result does not depend on the batch size. `Linear.packed` holds that copy when the model runner asks for it
-(`pack_weights`); rows < PACKED_MIN_ROWS still go through F.linear (gemv is faster there).
+row's result does not depend on the batch size. The linears' `packed` holds that copy while
+the model runner wants it (CausalLM.pack_weights); fewer than PACKED_MIN_ROWS rows still go
+through F.linear (MKL's gemv is faster there).
 """
 from __future__ import annotations
 
