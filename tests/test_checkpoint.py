@@ -9,6 +9,8 @@ import torch
 from dist import torchrun
 from hflow import checkpoint as ck
 
+PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")  # the torchrun programs
+
 # ---------------------------------------------------------------- one process, no torch.distributed
 
 
@@ -86,83 +88,7 @@ def test_saving_a_step_again_replaces_it(tmp_path):
 
 # ---------------------------------------------------------------- FSDP2 on 2 ranks
 
-PRELUDE = """
-import os, random, sys
-import torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from transformers import Qwen2ForCausalLM
-from hflow import checkpoint as ck
-from hflow.default_model import build_config
-
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-RANK = dist.get_rank()
-MESH = init_device_mesh("cpu", (dist.get_world_size(),))
-ROOT = sys.argv[1]
-
-def build(seed):
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(build_config("tiny"))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=MESH)
-    fully_shard(model, mesh=MESH)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    return model, opt, sched
-
-def train_step(model, opt, sched):
-    x = torch.randint(3, 500, (4, 12))     # same RNG stream on both ranks: same batch, like DP
-    loss = model(x, labels=x).loss
-    opt.zero_grad(); loss.backward(); opt.step(); sched.step()
-    return loss.item()
-
-def snapshot(model, opt):
-    params = [p.full_tensor().clone() for p in model.parameters()]
-    moments = [opt.state[p][k].full_tensor().clone() for p in model.parameters()
-               for k in ("exp_avg", "exp_avg_sq")]
-    steps = [float(opt.state[p]["step"]) for p in model.parameters()]
-    return params, moments, steps
-
-def assert_same(a, b):
-    for x, y in zip(a, b):
-        if isinstance(x, list):
-            assert_same(x, y)
-        else:
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
-
-def state(model, opt, sched):
-    return {"actor": ck.ModelState(model, opt, sched), "rng": ck.RNGState()}
-"""
-
-SAVE_PERTURB_LOAD = PRELUDE + """
-model, opt, sched = build(0)
-for _ in range(2):
-    train_step(model, opt, sched)
-torch.manual_seed(100 + RANK)                # ranks' streams differ: each must get its own back
-ck.save_checkpoint(ROOT, 2, state(model, opt, sched), extra={"data_position": 8})
-saved = snapshot(model, opt)
-draw = torch.rand(3)
-continued = [train_step(model, opt, sched) for _ in range(2)]
-after = snapshot(model, opt)
-
-torch.manual_seed(7); random.seed(7)       # perturb: RNG, parameters, optimizer state
-extra = ck.load_checkpoint(ck.latest_checkpoint(ROOT), state(model, opt, sched))
-assert extra == {"data_position": 8}, extra
-assert_same(snapshot(model, opt), saved)
-assert torch.equal(torch.rand(3), draw)
-
-fresh, fresh_opt, fresh_sched = build(seed=1)   # a new process: other weights, no Adam state yet
-ck.load_checkpoint(ck.latest_checkpoint(ROOT), state(fresh, fresh_opt, fresh_sched))
-assert_same(snapshot(fresh, fresh_opt), saved)
-assert fresh_sched.last_epoch == 2
-torch.rand(3)
-resumed = [train_step(fresh, fresh_opt, fresh_sched) for _ in range(2)]
-assert resumed == continued, (resumed, continued)
-assert_same(snapshot(fresh, fresh_opt), after)
-print(f"rank {RANK} ok")
-dist.destroy_process_group()
-"""
+SAVE_PERTURB_LOAD = os.path.join(PROGRAMS, "checkpoint_save_perturb_load.py")
 
 
 @pytest.mark.dist
@@ -171,35 +97,7 @@ def test_fsdp2_save_perturb_load_on_2_ranks(tmp_path):
     assert run.output.count(" ok") == 2, run.output
 
 
-CRASH_THEN_RESUME = PRELUDE + """
-model, opt, sched = build(0)
-phase = sys.argv[2]
-if phase == "crash":
-    train_step(model, opt, sched)
-    ck.save_checkpoint(ROOT, 1, state(model, opt, sched), extra={"step": 1})
-    snap = snapshot(model, opt)            # collective: every rank gathers
-    if RANK == 0:
-        torch.save(snap, os.path.join(ROOT, "snapshot_1.pt"))
-    train_step(model, opt, sched)
-    real_rename = os.rename
-    def die_before_commit(src, dst):       # rank 0 dies with every shard of step 2 written
-        if str(src).endswith("step_2.tmp"):
-            print("rank 0 crashing mid-save", flush=True)
-            os._exit(17)
-        real_rename(src, dst)
-    os.rename = die_before_commit
-    ck.save_checkpoint(ROOT, 2, state(model, opt, sched), extra={"step": 2})
-    raise SystemExit("unreachable: the save should have crashed")
-else:
-    latest = ck.latest_checkpoint(ROOT)
-    assert latest.name == "step_1", latest
-    extra = ck.load_checkpoint(latest, state(model, opt, sched))
-    assert extra == {"step": 1}, extra
-    assert_same(snapshot(model, opt), torch.load(os.path.join(ROOT, "snapshot_1.pt")))
-    ck.save_checkpoint(ROOT, 2, state(model, opt, sched), extra={"step": 2})
-    print(f"rank {RANK} resumed ok")
-dist.destroy_process_group()
-"""
+CRASH_THEN_RESUME = os.path.join(PROGRAMS, "checkpoint_crash_then_resume.py")
 
 
 @pytest.mark.dist
@@ -216,31 +114,7 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_usable(tmp_path):
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_1", "step_2"]
 
 
-EXPORT = PRELUDE + """
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from hflow.default_model import build_tokenizer
-
-model, opt, sched = build(0)
-for _ in range(2):
-    train_step(model, opt, sched)
-x = torch.randint(3, 500, (3, 10))
-with torch.no_grad():
-    logits = model(x).logits                  # the trained, still-sharded model
-out = ck.export_hf(model, os.path.join(ROOT, "hf"), tokenizer=build_tokenizer())
-if RANK == 0:
-    loaded = AutoModelForCausalLM.from_pretrained(out)
-    assert type(loaded).__name__ == "Qwen2ForCausalLM" and loaded.config.architectures == ["Qwen2ForCausalLM"]
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(x).logits, logits)
-    assert AutoTokenizer.from_pretrained(out).encode("12+35=") == build_tokenizer().encode("12+35=")
-params = {n: p.full_tensor() for n, p in model.named_parameters()}   # collective: all ranks
-if RANK == 0:   # every exported parameter equals the gathered training parameter exactly
-    exported = dict(loaded.named_parameters())
-    for name, value in params.items():
-        torch.testing.assert_close(exported[name], value, rtol=0, atol=0)
-    print("export ok")
-dist.destroy_process_group()
-"""
+EXPORT = os.path.join(PROGRAMS, "checkpoint_export.py")
 
 
 @pytest.mark.dist

@@ -15,6 +15,7 @@ from hflow.workers.layout import (engine_outputs_to_tensors, minibatch_rows, seq
 
 
 TESTS_ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}  # scripts import these helpers
+PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")  # the torchrun programs
 
 
 def tiny_model_dir(path, vocab=101, layers=2, hidden=64, tie=False, shard=True, seed=0, arch="qwen2"):
@@ -131,42 +132,7 @@ def test_learning_rate_schedules():
 
 # ---- multi-process ---------------------------------------------------------------------------
 
-LOG_PROBS = """
-import sys, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForCausalLM
-from hflow.workers import Actor, ActorConfig, Reference
-from hflow.workers.layout import position_ids
-from test_fsdp import random_rollouts
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-path = sys.argv[1]
-batch = random_rollouts(4, 2, 101, seed=1)
-local = {k: v.chunk(world)[rank] for k, v in batch.items()}
-cfg = ActorConfig(model_path=path, micro_batch_size=3)
-out = Actor(mesh, cfg).log_probs(local, temperature=0.7, with_entropy=True)
-ref = Reference(mesh, cfg).log_probs(local, temperature=0.7)
-# oracle: a plain transformers forward of the whole sequence
-hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-with torch.no_grad():
-    logits = hf(input_ids=local["input_ids"], attention_mask=local["attention_mask"],
-                position_ids=position_ids(local["attention_mask"])).logits
-R = local["response_mask"].shape[1]
-logp_all = torch.log_softmax(logits[:, -R - 1:-1] / 0.7, -1)
-expect = logp_all.gather(-1, local["responses"].unsqueeze(-1)).squeeze(-1)
-mask = local["response_mask"].bool()
-entropy = -(logp_all.exp() * logp_all).sum(-1)
-print("diff", rank, (out["old_log_probs"] - expect)[mask].abs().max().item(),
-      (out["entropy"] - entropy)[mask].abs().max().item(),
-      (ref["ref_log_probs"] - expect)[mask].abs().max().item(), flush=True)
-assert (out["old_log_probs"][~mask] == 0).all()
-assert torch.allclose(out["old_log_probs"][mask], expect[mask], atol=1e-5)
-assert torch.allclose(out["entropy"][mask], entropy[mask], atol=1e-5)
-assert torch.allclose(ref["ref_log_probs"][mask], expect[mask], atol=1e-5)
-dist.destroy_process_group()
-"""
+LOG_PROBS = os.path.join(PROGRAMS, "fsdp_log_probs.py")
 
 
 @pytest.mark.dist
@@ -177,54 +143,7 @@ def test_log_probs_equal_transformers_forward(tmp_path, tie):
     assert run.output.count("diff") == 2
 
 
-TRAIN = """
-import sys, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig
-from test_fsdp import random_rollouts
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-path, out = sys.argv[1], sys.argv[2]
-
-def ppo_loss(logp, mb, entropy=None):
-    mask = mb["response_mask"]
-    ratio = torch.exp(logp - mb["old_log_probs"])
-    per_token = -torch.min(ratio * mb["advantages"], ratio.clamp(0.8, 1.2) * mb["advantages"])
-    clipped = ((ratio - 1).abs() > 0.2).float()
-    if weighting == "tokens":  # token-mean
-        mean = lambda x: (x * mask).sum() / mask.sum()
-    else:  # seq-mean-token-mean
-        mean = lambda x: ((x * mask).sum(-1) / mask.sum(-1)).mean()
-    return mean(per_token), {"clipfrac": mean(clipped)}
-
-saved = {}
-for weighting in ("tokens", "sequences"):
-    # different micro-batching on each layout: by count on 1 rank, by token budget on 2
-    # (and activation checkpointing on 2 ranks: it recomputes, it must not change anything;
-    # nor must keeping the gathered parameters from the forward to the backward)
-    cfg = ActorConfig(model_path=path, mini_batch_size=2, epochs=2, loss_weighting=weighting,
-                      micro_batch_size=3, max_tokens_per_micro_batch=0 if world == 1 else 24,
-                      fsdp=FSDPConfig(activation_checkpointing=world == 2,
-                                      reshard_after_forward=world == 1 or weighting == "tokens"),
-                      optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=20,
-                                        grad_clip=0.5))
-    actor = Actor(mesh, cfg)
-    metrics = []
-    for step in range(3):
-        batch = random_rollouts(4, 2, 101, seed=10 + step)
-        local = {k: v.chunk(world)[rank] for k, v in batch.items()}
-        actor.log_probs(local)   # a forward with no backward must leave the weights sharded
-        assert all(isinstance(p, DTensor) for p in actor.model.parameters())
-        metrics.append(actor.update(local, ppo_loss))
-    saved[weighting] = {"metrics": metrics,
-                        "weights": {n: p.full_tensor() for n, p in actor.model.named_parameters()}}
-if rank == 0:
-    torch.save(saved, out)
-dist.destroy_process_group()
-"""
+TRAIN = os.path.join(PROGRAMS, "fsdp_train.py")
 
 
 @pytest.mark.dist
@@ -260,47 +179,7 @@ def test_one_rank_and_two_ranks_train_the_same(tmp_path):
         assert moved > 1e-3, "training did not change the weights"
 
 
-ON_POLICY = """
-import sys, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from hflow.measure import CollectiveBytes
-from hflow.workers import Actor, ActorConfig, OptimConfig
-from test_fsdp import random_rollouts
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-path, out = sys.argv[1], sys.argv[2]
-
-def ppo_loss(logp, mb, entropy=None):
-    mask = mb["response_mask"]
-    ratio = torch.exp(logp - mb["old_log_probs"])
-    per_token = -torch.min(ratio * mb["advantages"], ratio.clamp(0.8, 1.2) * mb["advantages"])
-    return (per_token * mask).sum() / mask.sum(), {"ratio_dev": ((ratio - 1).abs() * mask).sum() / mask.sum()}
-
-cfg = ActorConfig(model_path=path, micro_batch_size=3, optim=OptimConfig(lr=1e-2, grad_clip=0.5))
-recomputing, skipping = Actor(mesh, cfg), Actor(mesh, cfg)
-saved = {"recompute": [], "skip": []}
-for step in range(3):
-    batch = random_rollouts(4, 2, 101, seed=20 + step)
-    del batch["old_log_probs"]
-    local = {k: v.chunk(world)[rank] for k, v in batch.items()}
-    old = recomputing.log_probs(local)["old_log_probs"]
-    saved["recompute"].append(recomputing.update({**local, "old_log_probs": old}, ppo_loss))
-    with CollectiveBytes() as moved:
-        saved["skip"].append(skipping.update(local, ppo_loss))
-    saved.setdefault("received", moved.received)
-for name, actor in (("recompute", recomputing), ("skip", skipping)):
-    saved[name + "_weights"] = {n: p.full_tensor() for n, p in actor.model.named_parameters()}
-off_policy = Actor(mesh, ActorConfig(model_path=path, epochs=2))
-try:
-    off_policy.update(local, ppo_loss)
-except ValueError as e:
-    saved["error"] = str(e)
-if rank == 0:
-    torch.save(saved, out)
-dist.destroy_process_group()
-"""
+ON_POLICY = os.path.join(PROGRAMS, "fsdp_on_policy.py")
 
 
 @pytest.mark.dist
