@@ -7,6 +7,8 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
+PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")  # the torchrun worker programs
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -6,10 +6,9 @@ import random
 import pytest
 import torch
 
-from dist import torchrun
+from dist import PROGRAMS, torchrun
 from hflow import checkpoint as ck
 
-PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")  # the torchrun programs
 
 # ---------------------------------------------------------------- one process, no torch.distributed
 

@@ -6,11 +6,10 @@ import sys
 
 import pytest
 
-from dist import run_ranks, torchrun
+from dist import PROGRAMS, run_ranks, torchrun
 from hflow.placement import colocate, split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROGRAMS = os.path.join(ROOT, "tests", "programs")  # the torchrun programs
 
 SCRIPT = os.path.join(PROGRAMS, "cluster_groups_meshes.py")
 

@@ -4,9 +4,8 @@ import os
 
 import pytest
 
-from dist import run_ranks
+from dist import PROGRAMS, run_ranks
 
-PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")  # the torchrun programs
 
 SCRIPT = os.path.join(PROGRAMS, "dispatch_modes.py")
 

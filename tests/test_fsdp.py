@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from dist import torchrun
+from dist import PROGRAMS, torchrun
 from safetensors.torch import load_file
 
 from hflow.workers.base import check_batch_sizes, num_minibatches
@@ -15,7 +15,6 @@ from hflow.workers.layout import (engine_outputs_to_tensors, minibatch_rows, seq
 
 
 TESTS_ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}  # scripts import these helpers
-PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")  # the torchrun programs
 
 
 def tiny_model_dir(path, vocab=101, layers=2, hidden=64, tie=False, shard=True, seed=0, arch="qwen2"):

@@ -2,13 +2,12 @@
 import os
 
 import pytest
-from dist import torchrun
+from dist import PROGRAMS, torchrun
 from test_fsdp import TESTS_ENV, tiny_model_dir
 
 from hflow.measure import AllocatedBytes
 from hflow.reshard import generation_rank_grid, tensor_parallel_dim
 
-PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")  # the torchrun programs
 
 
 def test_allocated_bytes_follows_storages():

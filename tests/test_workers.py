@@ -3,10 +3,9 @@ critic and reward model against transformers, checkpoints."""
 import os
 
 import pytest
-from dist import torchrun
+from dist import PROGRAMS, torchrun
 from test_fsdp import TESTS_ENV, tiny_model_dir
 
-PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")  # the torchrun programs
 
 HYBRID = os.path.join(PROGRAMS, "workers_hybrid.py")
 
