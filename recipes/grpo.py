@@ -67,7 +67,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8, max_tokens=5))
     algo: GRPOConfig = field(default_factory=GRPOConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
-        steps=200, eval_every=50, output_dir="outputs/grpo"))
+        steps=150, eval_every=50, output_dir="outputs/grpo"))
 
 
 def grpo_loss(log_probs, mb, entropy=None, *, algo: GRPOConfig):

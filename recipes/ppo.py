@@ -86,7 +86,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=5))
     algo: PPOConfig = field(default_factory=PPOConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
-        steps=200, eval_every=50, output_dir="outputs/ppo"))
+        steps=150, eval_every=50, output_dir="outputs/ppo"))
 
 
 def actor_loss(log_probs, mb, entropy=None, *, algo: PPOConfig, kl_coef: float):
