@@ -3,7 +3,7 @@
 Same work on both: the same random Qwen2-shaped model (saved to a temporary Hugging Face
 directory with its tokenizer), the same prompts in the same order (no shuffling), GRPO with
 B prompts x n samples, temperature 1, fp32, beta = 0 (no reference model), one optimizer step
-per batch (one epoch, one mini-batch), micro-batches of 64 sequences, the same reward function
+per batch (one epoch, one mini-batch), one micro-batch per rank (TRL: 64 sequences), the same reward function
 and learning rate: 1e-6 on the random models (at the recipes' 1e-4 one Adam step swings a random
 model's EOS probability, mean length 52 -> 1 -> 96 in three steps, and the workload with it).
 
@@ -15,7 +15,7 @@ model's EOS probability, mean length 52 -> 1 -> 96 in three steps, and the workl
   whole step = on_step_begin .. on_step_end of a TrainerCallback.
 - hflow: the real recipes as a user runs them, `torchrun --nproc-per-node R recipes/grpo.py`
   (R ranks x 2/R threads, OMP_NUM_THREADS), phases read from <output_dir>/metrics.jsonl
-  (time/*_s, comm/* when present). PPO (`recipes/ppo.py`, its critic, beta 0, no critic
+  (time/*_s; comm/*: MiB each rank's collectives receive per step, HFLOW_COUNT_COMM=1). PPO (`recipes/ppo.py`, its critic, beta 0, no critic
   warm-up) is reported the same way; it has no TRL peer.
 
 Workloads: equal (~25M-parameter Qwen2: hidden 512, 8 layers, vocab 4096; <= 32 new tokens, EOS
@@ -169,9 +169,10 @@ def prepare(name: str, args, root: Path) -> dict:
     if name == "default":
         from hflow.data import DataConfig, load_prompts
         from hflow.default_model import default_model_dir
+        from hflow.recipe import default_policy_dir
 
         base = default_model_dir(grpo.model.default_size, grpo.model.default_seed)
-        warmed = base.with_name(f"{base.name}-sft0.4")      # hflow.recipe.default_policy's cache
+        warmed = default_policy_dir(grpo.model.default_size, grpo.model.default_seed)
         model_dir = warmed if (warmed / "config.json").exists() else base
         spec["note"] = f"{'warmed-up' if model_dir == warmed else 'un-warmed base'} default policy {model_dir.name}"
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -229,12 +230,14 @@ def run_hflow(spec: dict, algo: str, ranks: int, threads: int, tag: str) -> list
            "--trainer.eval-size", "0", "--trainer.no-export", "--trainer.output-dir", str(out),
            "--rollout.no-progress", "--trainer.logging.no-progress-bars"]
     if spec["name"] != "default":   # the default workload keeps the recipes' own defaults
-        cmd += ["--data.batch-size", str(batch), "--rollout.n", str(n), "--rollout.max-tokens", str(max_tokens),
-                "--actor.micro-batch-size", "64"] + (["--critic.micro-batch-size", "64"] if algo == "ppo" else [])
+        # micro-batches: the recipes' 8192-token budget (one packed micro-batch per rank here, as TRL's 64)
+        cmd += ["--data.batch-size", str(batch), "--rollout.n", str(n), "--rollout.max-tokens", str(max_tokens)]
     cmd += spec["ppo_flags"] if algo == "ppo" else []
     pythonpath = os.pathsep.join([spec["work"], str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
     start = time.perf_counter()
-    cpu = run_logged(cmd, {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": pythonpath}, out.with_suffix(".log"))
+    # HFLOW_COUNT_COMM: the bytes each rank's collectives receive per step (comm/*; costs well under 1 %)
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": pythonpath, "HFLOW_COUNT_COMM": "1"}
+    cpu = run_logged(cmd, env, out.with_suffix(".log"))
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     print(f"    {tag}: {time.perf_counter() - start:.0f} s wall, {cpu:.0f} s CPU", flush=True)
     return [r for r in rows if "time/step_s" in r]
