@@ -192,33 +192,3 @@ def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     return final
-
-
-# ------------------------------------------------------------ checkpoints of a whole run
-
-def save_run(root, step: int, groups: dict, extra: dict, keep_last: int | None = None) -> Path:
-    """Checkpoint every trainable worker group (sharded, in parallel) and the controller's own
-    state, committed as `<root>/step_<step>` only when all of it is written."""
-    from hflow import checkpoint
-
-    tmp = checkpoint.begin_save(root, step)
-    futures = [group.save.future(str(tmp / role)) for role, group in groups.items()]
-    for future in futures:
-        future.result()
-    checkpoint.write_extra(tmp, {**extra, "rng": checkpoint.rng_state()})
-    return checkpoint.commit(root, step, keep_last)
-
-
-def resume_run(root, groups: dict) -> dict | None:
-    """Load the latest complete checkpoint under `root` into the groups; returns the controller
-    state saved with it (None when there is none)."""
-    from hflow import checkpoint
-
-    path = checkpoint.latest_checkpoint(root)
-    if path is None:
-        return None
-    for future in [group.load.future(str(path / role)) for role, group in groups.items()]:
-        future.result()
-    extra = checkpoint.read_extra(path)
-    checkpoint.set_rng_state(extra.pop("rng"))
-    return {**extra, "step": checkpoint.checkpoint_step(path)}
