@@ -33,7 +33,8 @@ from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, Rew
 from hflow.data import PromptSampler
 from hflow.metrics import Timer
 from hflow.placement import colocate, split
-from hflow.recipe import evaluate, policy_and_prompts, prompt_batch, rollout_metrics, score
+from hflow.evaluation import evaluate
+from hflow.recipe import policy_and_prompts, prompt_batch, rollout_metrics, score
 from hflow.rewards import Scorer
 from hflow.run import Run
 from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact

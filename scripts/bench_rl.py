@@ -168,8 +168,7 @@ def prepare(name: str, args, root: Path) -> dict:
     spec = dict(name=name, work=str(work), steps=args.steps, lr=grpo.actor.optim.lr)
     if name == "default":
         from hflow.data import DataConfig, load_prompts
-        from hflow.default_model import default_model_dir
-        from hflow.recipe import default_policy_dir
+        from hflow.default_model import default_model_dir, default_policy_dir
 
         base = default_model_dir(grpo.model.default_size, grpo.model.default_seed)
         warmed = default_policy_dir(grpo.model.default_size, grpo.model.default_seed)

@@ -124,7 +124,6 @@ def test_concurrent_builds_of_the_cache_agree(tmp_path):
 def test_warm_up_cache_is_reused_only_under_its_current_name(tmp_path):
     # A cache written by an earlier warm-up (other settings, e.g. "-sft0.4") must not be served as
     # today's policy: default_policy warms up again (here: reaches cluster.spawn) instead.
-    from hflow import recipe
 
     class NoWorkers:
         def spawn(self, *args, **kwargs):
@@ -134,11 +133,11 @@ def test_warm_up_cache_is_reused_only_under_its_current_name(tmp_path):
     old = base.with_name(f"{base.name}-sft0.4")
     old.mkdir()
     (old / "config.json").write_text("{}")
-    current = recipe.default_policy_dir("tiny", 0, cache_dir=tmp_path)
+    current = dm.default_policy_dir("tiny", 0, cache_dir=tmp_path)
     assert current.parent == tmp_path and current != old
-    assert current.name.endswith(f"-w{recipe.WARM_UP_VERSION}")
+    assert current.name.endswith(f"-w{dm.WARM_UP_VERSION}")
     with pytest.raises(LookupError, match="would warm up"):
-        recipe.default_policy(NoWorkers(), "tiny", 0, cache_dir=tmp_path)
+        dm.default_policy(NoWorkers(), "tiny", 0, cache_dir=tmp_path)
     current.mkdir()
     (current / "config.json").write_text("{}")
-    assert recipe.default_policy(NoWorkers(), "tiny", 0, cache_dir=tmp_path) == current
+    assert dm.default_policy(NoWorkers(), "tiny", 0, cache_dir=tmp_path) == current
