@@ -94,9 +94,9 @@ def setup_hflow(model, prompts, n, max_new, eos, seed, recipe=False):
     from hflow.engine import LLM, SamplingParams
 
     if recipe:
-        llm = LLM(model, block_size=16, max_num_seqs=256)
+        llm = LLM.from_model(model, block_size=16, max_num_seqs=256)
     else:
-        llm = LLM(model, block_size=16, num_kv_blocks=len(prompts) * n * (96 + max_new) // 16 + 64,
+        llm = LLM.from_model(model, block_size=16, num_kv_blocks=len(prompts) * n * (96 + max_new) // 16 + 64,
                   max_num_seqs=len(prompts) * n)
     llm.generate(prompts[:4], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=seed))
 

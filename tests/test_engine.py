@@ -276,7 +276,7 @@ def test_sleep_wake_and_load_weights_in_place(saved):
     loaded = llm.load_weights(other.state_dict().items())
     assert {n: p.data_ptr() for n, p in llm.model.named_parameters()} == ptrs
     assert "model.layers.1.self_attn.k_proj.weight" in loaded
-    assert _tokens(llm.generate(prompts, params)) == _tokens(LLM(other).generate(prompts, params))
+    assert _tokens(llm.generate(prompts, params)) == _tokens(LLM.from_model(other).generate(prompts, params))
 
 
 def test_kv_blocks_are_zeroed_on_first_use(saved):
@@ -310,9 +310,11 @@ def test_constructors_agree(saved):
     prompts = prompts_of([7, 30])
     params = SamplingParams(temperature=0, max_tokens=12)
     expected = _tokens(LLM.from_pretrained(path).generate(prompts, params))
-    assert _tokens(LLM(model).generate(prompts, params)) == expected
-    assert _tokens(LLM(model.state_dict(), config=model.config).generate(prompts, params)) == expected
-    assert _tokens(LLM(model, engine_config=EngineConfig(block_size=8)).generate(prompts, params)) == expected
+    assert _tokens(LLM.from_model(model).generate(prompts, params)) == expected
+    assert _tokens(LLM.from_state_dict(model.state_dict(), model.config).generate(prompts, params)) == expected
+    assert _tokens(LLM.from_model(model, engine_config=EngineConfig(block_size=8)).generate(prompts, params)) == expected
+    with pytest.raises(TypeError, match="from_model"):
+        LLM(model)
     empty = LLM.from_config(model.config, dtype=torch.float32)
     empty.load_weights(model.state_dict().items())
     assert _tokens(empty.generate(prompts, params)) == expected

@@ -22,41 +22,27 @@ class LLM:
     """Paged-KV generation engine for Llama-family models.
 
         LLM.from_pretrained(path, dtype=torch.float32, **engine_opts)   # a Hugging Face directory
-        LLM(hf_model)                                # an in-memory transformers model (copied)
-        LLM(state_dict, config=hf_config)            # Hugging Face names -> tensors
+        LLM.from_model(hf_model)                     # an in-memory transformers model (copied)
+        LLM.from_state_dict(state_dict, hf_config)   # Hugging Face names -> tensors
         LLM(hf_config) / LLM.from_config(hf_config)  # uninitialised; fill with load_weights()
 
     Engine options are the fields of EngineConfig (block_size, num_kv_blocks or
     kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, tp_group), as keywords or as engine_config=EngineConfig(...);
-    `device` and `dtype` place the weights and the cache (default: the model's, else cpu/fp32).
-    `eos_token_ids` overrides the stop ids found in the generation config / model config.
+    `device` and `dtype` place the weights and the cache (default: cpu/fp32; from_model: the
+    model's). `eos_token_ids` overrides the stop ids found in the generation config / model config.
     """
 
-    def __init__(self, model, config=None, *, dtype: torch.dtype | None = None, device=None,
+    def __init__(self, hf_config, *, dtype: torch.dtype | None = None, device=None,
                  eos_token_ids: list[int] | None = None, engine_config: EngineConfig | None = None,
                  **engine_opts):
-        state_dict = None
-        if isinstance(model, nn.Module):
-            hf_config = model.config
-            ref = next(model.parameters())
-            dtype, device = dtype or ref.dtype, device or ref.device
-            state_dict = model.state_dict()
-            gen = getattr(model, "generation_config", None)
-            if eos_token_ids is None and gen is not None and gen.eos_token_id is not None:
-                eos_token_ids = gen.eos_token_id
-        elif isinstance(model, dict):
-            if config is None:
-                raise ValueError("LLM(state_dict) needs config=<the transformers config of the model>")
-            hf_config, state_dict = config, model
-        else:
-            hf_config = model
+        if isinstance(hf_config, (nn.Module, dict)):
+            raise TypeError("LLM(...) takes a transformers config; use LLM.from_model(model) or "
+                            "LLM.from_state_dict(state_dict, config) for weights")
         if engine_config is not None and engine_opts:
             raise ValueError(f"give engine_config or engine options {sorted(engine_opts)}, not both")
         cfg = engine_config or EngineConfig(**engine_opts)
         self._build(hf_config, dtype or torch.float32, device or "cpu", eos_token_ids, cfg)
-        if state_dict is not None:
-            self.load_weights(state_dict.items())
 
     @classmethod
     def from_config(cls, hf_config, dtype: torch.dtype = torch.float32, device=None, tp_group=None,
@@ -65,6 +51,27 @@ class LLM:
         if tp_group is not None:
             engine_opts["tp_group"] = tp_group
         return cls(hf_config, dtype=dtype, device=device, **engine_opts)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, *, dtype: torch.dtype | None = None, device=None,
+                   eos_token_ids: list[int] | None = None, **options) -> "LLM":
+        """A copy of an in-memory transformers model's weights (its dtype and device by default;
+        stop ids from its generation config)."""
+        ref = next(model.parameters())
+        gen = getattr(model, "generation_config", None)
+        if eos_token_ids is None and gen is not None and gen.eos_token_id is not None:
+            eos_token_ids = gen.eos_token_id
+        llm = cls(model.config, dtype=dtype or ref.dtype, device=device or ref.device,
+                  eos_token_ids=eos_token_ids, **options)
+        llm.load_weights(model.state_dict().items())
+        return llm
+
+    @classmethod
+    def from_state_dict(cls, state_dict: dict, hf_config, **options) -> "LLM":
+        """Hugging Face-named tensors of a model whose transformers config is `hf_config`."""
+        llm = cls(hf_config, **options)
+        llm.load_weights(state_dict.items())
+        return llm
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device=None, **engine_opts) -> "LLM":

@@ -10,6 +10,8 @@ ones. Zeroing the whole budget up front cost more than generating at small batch
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -19,6 +21,18 @@ from hflow.engine.models.layers import PACKED_MIN_ROWS, can_pack
 from hflow.engine.models.llama import CausalLM
 from hflow.engine.sampler import sample
 from hflow.engine.sequence import Sequence
+
+
+@dataclass
+class PrefillBatch:
+    """The model's inputs for a prefill step of the distinct sequences, and how every scheduled
+    sequence (leaders and their followers) reads its logits back."""
+    input_ids: torch.Tensor        # [T] the uncached tokens of each distinct sequence, packed
+    positions: torch.Tensor        # [T]
+    meta: AttentionMetadata
+    last_rows: torch.Tensor        # [distinct] the packed row of each distinct sequence's last token
+    logits_rows: torch.Tensor      # [scheduled] which of those rows each scheduled sequence samples from
+    copies: list[tuple[int, int]]  # (leader block, follower block) to copy after the forward
 
 
 # The matmuls switch to packed weights (models/layers.py) at a decode step of PACKED_MIN_ROWS to
@@ -93,7 +107,7 @@ class ModelRunner:
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _prepare_prefill(self, seqs: list[Sequence]):
+    def _prepare_prefill(self, seqs: list[Sequence]) -> PrefillBatch:
         """Pack the uncached tokens of each *distinct* sequence.
 
         Sequences with identical tokens (the n samples of a fresh prompt) are computed once:
@@ -126,7 +140,8 @@ class ModelRunner:
             logits_rows.append(len(last_rows))
             last_rows.append(len(ids) - 1)
         meta = AttentionMetadata(slot_mapping=self._long(slots), prefill=per_seq)
-        return self._long(ids), self._long(positions), meta, self._long(last_rows), self._long(logits_rows), copies
+        return PrefillBatch(self._long(ids), self._long(positions), meta, self._long(last_rows),
+                            self._long(logits_rows), copies)
 
     def _prepare_decode(self, seqs: list[Sequence]):
         """`seqs` sorted by length; buckets are contiguous runs of them."""
@@ -157,12 +172,12 @@ class ModelRunner:
         """
         self.allocate_kv_cache()
         if is_prefill:
-            input_ids, positions, meta, last_rows, logits_rows, copies = self._prepare_prefill(seqs)
-            meta.use_workspace(self._workspace_for(meta), self.kv_shape[3:])
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
-            logits = self.model.compute_logits(hidden[last_rows])[logits_rows].float()
-            if copies:  # followers' own blocks: a copy of their leader's, every layer at once
-                src, dst = self._long([c[0] for c in copies]), self._long([c[1] for c in copies])
+            batch = self._prepare_prefill(seqs)
+            batch.meta.use_workspace(self._workspace_for(batch.meta), self.kv_shape[3:])
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden[batch.last_rows])[batch.logits_rows].float()
+            if batch.copies:  # followers' own blocks: a copy of their leader's, every layer at once
+                src, dst = self._long([c[0] for c in batch.copies]), self._long([c[1] for c in batch.copies])
                 self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
         else:
             seqs = sorted(seqs, key=len)
