@@ -95,7 +95,6 @@ def main(cluster: hflow.Cluster, cfg: Config):
     actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
     actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
     ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
-
     evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer, cfg.rollout, cfg.trainer.eval_size)
     run = Run(cfg.trainer, trained={"actor": actor}, state={"data": sampler}, evaluate=evaluate_now,
               export=(actor, model_dir))
@@ -117,11 +116,9 @@ def main(cluster: hflow.Cluster, cfg: Config):
             batch["advantages"] = algos.grpo_advantages(scores, groups, mask, cfg.algo.norm_by_std)
             with timer("log_probs"):
                 refs = ref.log_probs.future(batch, cfg.rollout.temperature) if ref else None
-                # on-policy, the update's own log-probs (detached) are the old ones: ratio 1, one forward fewer
-                if not on_policy and old_from_rollout:
-                    batch["old_log_probs"] = batch["rollout_log_probs"]
-                elif not on_policy:
-                    batch = batch | actor.log_probs(batch, cfg.rollout.temperature)
+                if not on_policy:   # (on-policy, the update's own detached log-probs are the old ones: one forward fewer)
+                    batch["old_log_probs"] = batch["rollout_log_probs"] if old_from_rollout else \
+                        actor.log_probs(batch, cfg.rollout.temperature)["old_log_probs"]
                 if refs:
                     batch = batch | refs.result()
             with timer("update"):

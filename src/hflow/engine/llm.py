@@ -7,7 +7,10 @@ import os
 from collections.abc import Iterable
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, GenerationConfig
 
 from hflow.engine.block_manager import BlockManager
 from hflow.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
@@ -76,9 +79,6 @@ class LLM:
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device=None, **engine_opts) -> "LLM":
         """Load a Hugging Face directory: config.json and *.safetensors (sharded or not)."""
-        from safetensors import safe_open
-        from transformers import AutoConfig, GenerationConfig
-
         hf_config = AutoConfig.from_pretrained(path)
         eos = None
         if os.path.exists(os.path.join(path, "generation_config.json")):
@@ -219,7 +219,6 @@ class LLM:
             requests = [self._add_request(i, list(p), sp)
                         for i, (p, sp) in enumerate(zip(prompt_token_ids, sampling_params))]
             if use_tqdm:
-                from tqdm.auto import tqdm
                 bar = tqdm(total=sum(len(r) for r in requests), desc="generating", unit="seq")
             while not self.scheduler.is_finished():
                 done, _ = self.step()

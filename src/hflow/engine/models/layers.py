@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 class TPInfo:
@@ -139,7 +140,6 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
     if rope_type in ("dynamic", "longrope"):
         raise NotImplementedError(f"rope type {rope_type!r} (sequence-length dependent) is not supported; "
                                   "supported: default, linear, llama3, yarn")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise NotImplementedError(f"unknown rope type {rope_type!r}")
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
