@@ -150,72 +150,63 @@ CATEGORIES = {"scheduling/bookkeeping": ("schedule", "postprocess"), "metadata":
 
 def profile_hflow(run, repeat: int) -> None:
     """Decode-step wall time, plain and under torch.profiler, split by engine phase."""
+    from contextlib import ExitStack
+    from unittest import mock
+
     import hflow.engine.model_runner as model_runner
     from torch.profiler import ProfilerActivity, profile, record_function
 
     llm = run.llm
     plain: dict[bool, list[tuple[float, float]]] = {True: [], False: []}  # (wall, process CPU)
-    step = llm.step
 
-    def timed_step():
+    def timed_step(step=llm.step):
         t, cpu = time.perf_counter(), time.process_time()
         done, is_prefill = step()
         plain[is_prefill].append((time.perf_counter() - t, time.process_time() - cpu))
         return done, is_prefill
-    llm.step = timed_step
-    for _ in range(repeat):
-        if run.prepare:
-            run.prepare()
-        run()
-    del llm.step
 
+    def labelled(fn, label):
+        def wrapped(*a, **k):
+            with record_function("hflow::" + label):
+                return fn(*a, **k)
+        return wrapped
     targets = {"step": (llm, "step"), "schedule": (llm.scheduler, "schedule"),
                "postprocess": (llm.scheduler, "postprocess"), "prepare": (llm.runner, "_prepare_decode"),
                "forward": (llm.model, "forward"), "logits": (llm.model, "compute_logits"),
                "sample": (model_runner, "sample")}
-    saved = {label: (getattr(owner, attr), attr in vars(owner)) for label, (owner, attr) in targets.items()}
-    for label, (owner, attr) in targets.items():
-        fn = saved[label][0]
-
-        def wrapped(*a, _fn=fn, _label="hflow::" + label, **k):
-            with record_function(_label):
-                return _fn(*a, **k)
-        setattr(owner, attr, wrapped)
-    profs = []
-    try:
+    with mock.patch.object(llm, "step", timed_step):
         for _ in range(repeat):
-            if run.prepare:
-                run.prepare()
+            run.prepare and run.prepare()
+            run()
+    profs = []
+    with ExitStack() as patches:
+        for label, (owner, attr) in targets.items():
+            patches.enter_context(mock.patch.object(owner, attr, labelled(getattr(owner, attr), label)))
+        for _ in range(repeat):
+            run.prepare and run.prepare()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 run()
             profs.append(prof)
-    finally:
-        for label, (owner, attr) in targets.items():  # module functions back, instances' copies gone
-            setattr(owner, attr, saved[label][0]) if saved[label][1] else delattr(owner, attr)
 
     def walk(e):
         for c in e.cpu_children:
             yield c
             yield from walk(c)
     decode = []  # per decode step: wall, {label: time}, time in ops, top-level op calls
-    for e in (e for prof in profs for e in prof.events()):
-        if e.name != "hflow::step":
-            continue
+    for e in (e for prof in profs for e in prof.events() if e.name == "hflow::step"):
         inner = list(walk(e))
-        labels = {c.name[7:]: 0.0 for c in inner if c.name.startswith("hflow::")}
-        if "prepare" not in labels:
-            continue  # a prefill step
+        labels: dict[str, float] = {}
         for c in inner:
             if c.name.startswith("hflow::"):
-                labels[c.name[7:]] += c.cpu_time_total
-        ops = [c for c in inner if not c.name.startswith("hflow::")]
-        top = [c for c in ops if c.cpu_parent is None or c.cpu_parent.name.startswith("hflow::")]
-        decode.append((e.cpu_time_total, labels, sum(c.self_cpu_time_total for c in ops), len(top)))
-    k = len(decode)
+                labels[c.name[7:]] = labels.get(c.name[7:], 0.0) + c.cpu_time_total
+        if "prepare" in labels:  # a decode step
+            ops = [c for c in inner if not c.name.startswith("hflow::")]
+            top = [c for c in ops if c.cpu_parent is None or c.cpu_parent.name.startswith("hflow::")]
+            decode.append((e.cpu_time_total, labels, sum(c.self_cpu_time_total for c in ops), len(top)))
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     wall, in_ops = mean([d[0] for d in decode]) / 1e3, mean([d[2] for d in decode]) / 1e3
     wall_cpu = lambda xs: f"{1e3 * mean([x[0] for x in xs]):.2f} ms (CPU {1e3 * mean([x[1] for x in xs]):.2f})"  # noqa: E731
-    print(f"decode steps: {k // repeat} per run; unprofiled: decode {wall_cpu(plain[False])}/step, "
+    print(f"decode steps: {len(decode) // repeat} per run; unprofiled: decode {wall_cpu(plain[False])}/step, "
           f"prefill {wall_cpu(plain[True])}/step ({len(plain[True]) // repeat} per run)")
     print(f"under the profiler: {wall:.2f} ms/step, of which")
     shown = 0.0
