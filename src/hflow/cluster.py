@@ -196,8 +196,8 @@ class Cluster:
         group_id = next(self._group_ids)
         # every rank builds the mesh (process-group creation is collective over the world);
         # only members get the class and arguments
-        tasks = {r: Spawn(group_id, grid, self.device_type, worker_class, to_cpu(args), to_cpu(kwargs))
-                 if r in ranks else Spawn(group_id, grid, self.device_type)
+        member = Spawn(group_id, grid, self.device_type, worker_class, to_cpu(args), to_cpu(kwargs))
+        tasks = {r: member if r in ranks else Spawn(group_id, grid, self.device_type)
                  for r in range(self.world_size)}
         self._issue(f"spawn {worker_class.__name__}", tasks, lambda parts: None).result()
         return WorkerGroup(self, group_id, worker_class, grid)
