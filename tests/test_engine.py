@@ -1,6 +1,7 @@
 """hflow.engine against transformers' own forward and generate, on tiny random models saved to
 disk and loaded back with LLM.from_pretrained, as a user's would be."""
 import itertools
+import math
 import os
 import random
 import subprocess
@@ -163,6 +164,30 @@ def test_sampler_draws_from_the_filtered_distribution():
         assert (freq - expected).abs().max() < 0.035, (params, freq, expected)
     tokens, _ = sample(logits[None].clone(), _fake_seqs([SamplingParams(temperature=0)]))
     assert tokens.item() == logits.argmax().item()
+
+
+def test_filtered_sampling_returns_the_unfiltered_log_prob():
+    """With top-k / top-p the engine returns log_softmax(logits / T)[token] over the whole
+    vocabulary (what actor.log_probs recomputes), not the filtered, renormalised log-prob.
+    The expected figures are computed by hand for logits (2, 1, 0.5, -1)."""
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    e = [math.exp(x) for x in (2.0, 1.0, 0.5, -1.0)]
+    # T = 1, top_p = 0.5: p(0) = e^2 / sum = 0.6095 >= 0.5, so only token 0 is kept
+    top_p = SamplingParams(temperature=1.0, top_p=0.5)
+    # T = 0.5, top_k = 2: z = (4, 2, 1, -2), tokens 0 and 1 kept
+    e_half = [math.exp(x) for x in (4.0, 2.0, 1.0, -2.0)]
+    top_k = SamplingParams(temperature=0.5, top_k=2)
+    cases = [(top_p, {0: math.log(e[0] / sum(e))}, {0: 0.0}),
+             (top_k, {0: 4 - math.log(sum(e_half)), 1: 2 - math.log(sum(e_half))},
+              {0: 4 - math.log(sum(e_half[:2])), 1: 2 - math.log(sum(e_half[:2]))})]
+    assert abs(cases[0][1][0] - math.log(0.6095)) < 1e-3
+    for params, unfiltered, filtered in cases:
+        seqs = _fake_seqs([params] * 200, seed=5)
+        tokens, logps = sample(logits.expand(200, -1).clone(), seqs)
+        assert set(tokens.tolist()) == set(unfiltered)
+        for token, logp in zip(tokens.tolist(), logps.tolist()):
+            assert abs(logp - unfiltered[token]) < 1e-5
+            assert abs(logp - filtered[token]) > 0.01
 
 
 def test_prefix_caching_and_preemption_give_the_same_tokens(saved):

@@ -7,7 +7,7 @@ is batched with it (and across tensor-parallel ranks, which run the same streams
 
 The returned log-prob is  log_softmax(logits / T)[token]  (T = temperature; raw logits when
 T == 0) under the full distribution, before top-k / top-p filtering: the quantity an RL
-trainer recomputes from its own forward pass.
+trainer recomputes from its own forward pass (SamplingParams explains the choice).
 """
 from __future__ import annotations
 

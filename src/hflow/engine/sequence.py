@@ -16,6 +16,16 @@ class SamplingParams:
     sample j of a request draws from a generator seeded with (seed, prompt, j), so the same
     request with the same seed gives the same tokens whatever else is in the batch, while
     different prompts sharing one SamplingParams(seed=s) still get independent samples.
+
+    Log-probs under top-k / top-p: tokens are drawn from the filtered, renormalised
+    distribution, but the log-prob returned is the token's under the *unfiltered*
+    temperature-scaled one, log_softmax(logits / T)[token]: the function an RL trainer
+    recomputes (hflow's `actor.log_probs`), so that these log-probs can stand for the old
+    policy's and a first update's ratio is exactly 1. The filtered log-prob would be higher by
+    log(1 / kept mass), biasing every ratio. (vLLM returns pre-temperature log-probs by default,
+    the filtered ones with logprobs_mode="processed_logprobs"; verl recomputes unfiltered ones.)
+    The update then treats samples of the filtered policy as samples of the unfiltered one, a
+    small bias that vanishes with top_k=0, top_p=1, the defaults and the right values for RL.
     """
     n: int = 1
     temperature: float = 1.0
@@ -42,7 +52,8 @@ class SamplingParams:
 @dataclass
 class CompletionOutput:
     """One sampled completion. `logprobs[t]` = log_softmax(logits / T)[token_ids[t]]
-    (raw logits when T == 0), under the full distribution, before top-k/top-p filtering."""
+    (raw logits when T == 0), under the full distribution, before top-k/top-p filtering
+    (SamplingParams says why)."""
     index: int
     token_ids: list[int]
     logprobs: list[float]
