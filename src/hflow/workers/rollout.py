@@ -36,9 +36,9 @@ class RolloutConfig:
     temperature: float = 1.0
     """sampling temperature (0: greedy)"""
     top_p: float = 1.0
-    """nucleus sampling threshold (1: off)"""
+    """nucleus sampling threshold (1: off). Tokens come from the filtered distribution, their rollout log-probs from the unfiltered one, which actor.log_probs computes (hflow.engine.SamplingParams says why); keep 1 for RL"""
     top_k: int = 0
-    """sample among the k likeliest tokens (0: off)"""
+    """sample among the k likeliest tokens (0: off); log-probs as for top_p; keep 0 for RL"""
     max_tokens: int = 64
     """longest response, in tokens"""
     seed: int = 0
