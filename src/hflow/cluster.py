@@ -15,8 +15,13 @@ call that hit it and every other pending or later call with a `RemoteError` nami
 carrying its traceback; when `main` ends that way, rank 0 tells every rank to exit and all of
 them exit with status 1 within seconds. A rank that dies is found by its RPC connection
 closing or by the controller's heartbeat (every HFLOW_HEARTBEAT_S=2 s; a rank that does not
-answer within HFLOW_PEER_TIMEOUT_S=30 s counts as dead); workers exit on their own when the
-controller is silent for HFLOW_CONTROLLER_TIMEOUT_S=60 s. Nothing waits forever.
+answer within HFLOW_PEER_TIMEOUT_S=10 s counts as frozen or dead); workers exit on their own when
+the controller is silent for HFLOW_CONTROLLER_TIMEOUT_S=15 s. The message names the rank that
+stopped answering and the call it was running. A frozen process (SIGSTOP, a stuck driver) cannot
+end itself, so the rank that finds it SIGKILLs it when both run on one host; otherwise torchrun's
+agent ends it. Pings are answered on RPC threads, so a long call does not look like a hang; only a
+process that holds the GIL for longer than the timeout would (raise the timeouts then). Nothing
+waits forever.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -38,7 +44,7 @@ from . import transport
 from .batch import Batch
 from .dispatch import RankGrid, gather, mode_of, scatter
 from .parallel import set_device
-from .server import Call, Release, Server, Spawn, Stop, hard_exit, log, to_cpu
+from .server import Call, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
 
 
 def _env_float(name: str, default: float) -> float:
@@ -165,7 +171,8 @@ class WorkerGroup:
 class Cluster:
     """The controller's view of all ranks. Made by `launch`; `main` receives it."""
 
-    def __init__(self, world_size: int, device: torch.device, server: Server):
+    def __init__(self, world_size: int, device: torch.device, server: Server,
+                 peers: dict[int, tuple[str, int]] | None = None):
         self.world_size, self.device = world_size, device
         self._server = server                  # rank 0's own executor (it is a worker too)
         self._seq = [0] * world_size           # next task number, per destination rank
@@ -175,6 +182,8 @@ class Cluster:
         self._group_ids = itertools.count()
         self._closing = threading.Event()
         self._aborting = threading.Lock()
+        self._peers = peers or {}             # rank -> (host, pid), to end a frozen rank
+        self._outstanding: dict[int, dict[int, tuple[str, float]]] = {r: {} for r in range(world_size)}
         if world_size > 1:
             threading.Thread(target=self._heartbeat, name="hflow-heartbeat", daemon=True).start()
 
@@ -213,12 +222,13 @@ class Cluster:
             for rank, task in tasks.items():   # under the lock: one total order of calls
                 seq = self._seq[rank]
                 self._seq[rank] += 1
+                self._outstanding[rank][seq] = (what, time.monotonic())
                 if rank == self._server.rank:
                     # local: copy, so rank 0's worker never shares objects with the controller
-                    sent.append((rank, self._server.submit(seq, _private_copy(task))))
+                    sent.append((rank, seq, self._server.submit(seq, _private_copy(task))))
                     continue
                 try:
-                    sent.append((rank, transport.send(rank, ("task", seq, task))))
+                    sent.append((rank, seq, transport.send(rank, ("task", seq, task))))
                 except Exception as e:   # e.g. the peer is already gone
                     error = RemoteError(rank, what, f"could not send the call to rank {rank}: "
                                         f"{e}\n(arguments must be picklable, and worker classes "
@@ -227,13 +237,14 @@ class Cluster:
         if error is not None:
             self._fail(error)
         # callbacks outside the lock: one of them may run right here if its reply is in
-        for rank, reply in sent:
-            reply.add_done_callback(lambda f, rank=rank: self._on_reply(future, rank, f))
+        for rank, seq, reply in sent:
+            reply.add_done_callback(lambda f, rank=rank, seq=seq: self._on_reply(future, rank, seq, f))
         return future
 
-    def _on_reply(self, future: Future, rank: int, reply) -> None:
+    def _on_reply(self, future: Future, rank: int, seq: int, reply) -> None:
         # runs on an RPC thread (or rank 0's executor): never let an exception escape, or the
         # call would never complete
+        self._outstanding[rank].pop(seq, None)
         try:
             status, *body = reply.value()
         except Exception as e:
@@ -266,7 +277,7 @@ class Cluster:
     # ---- liveness --------------------------------------------------------------------------
     def _heartbeat(self) -> None:
         interval = _env_float("HFLOW_HEARTBEAT_S", 2.0)
-        timeout = _env_float("HFLOW_PEER_TIMEOUT_S", 30.0)
+        timeout = _env_float("HFLOW_PEER_TIMEOUT_S", 10.0)
         while not self._closing.wait(interval):
             pings = {}
             for rank in range(self.world_size):
@@ -283,13 +294,28 @@ class Cluster:
                 except Exception as e:
                     if self._closing.is_set():
                         return
-                    self._fail(RemoteError(rank, "heartbeat", f"rank {rank} did not answer a "
-                                           f"heartbeat ({e}); it probably died, see its output"))
+                    doing = self.doing(rank)
+                    log(f"hflow: rank {rank} stopped answering: no reply to a heartbeat within "
+                        f"{timeout:.0f} s ({type(e).__name__}); {doing}. It is frozen or dead "
+                        f"(see its output). Ending the run.")
+                    kill_if_local(self._peers.get(rank), f"rank {rank}")
+                    self._fail(RemoteError(rank, "heartbeat", f"rank {rank} stopped answering "
+                                           f"heartbeats; {doing}"))
                     # main gets the error from the call it waits on; if it is not waiting on
                     # any, end the run anyway after a grace period
-                    threading.Timer(_env_float("HFLOW_ABORT_GRACE_S", 10.0), self._abort,
+                    threading.Timer(_env_float("HFLOW_ABORT_GRACE_S", 5.0), self._abort,
                                     (f"rank {rank} is unreachable",)).start()
                     return
+
+    def doing(self, rank: int) -> str:
+        """What `rank` was doing, from the controller's side: the oldest call it has not
+        answered (ranks run their calls in issue order), or that it was idle."""
+        outstanding = dict(self._outstanding[rank])
+        if not outstanding:
+            return "it had no call in flight"
+        what, since = outstanding[min(outstanding)]
+        more = f" (+{len(outstanding) - 1} queued)" if len(outstanding) > 1 else ""
+        return f"its last call: {what}, running for {time.monotonic() - since:.0f} s{more}"
 
     # ---- the end ---------------------------------------------------------------------------
     def _close(self) -> None:
@@ -359,15 +385,17 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
         device, backend = torch.device("cpu"), "gloo"
     set_device(device)
     dist.init_process_group(backend)
+    peers = [None] * world_size   # (host, pid) of every rank: a frozen rank is ended by its finder
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
     server = Server(rank, device)
     transport.start(rank, world_size, server.handle)
 
     if rank != 0:
-        server.serve(_env_float("HFLOW_CONTROLLER_TIMEOUT_S", 60.0))
+        server.serve(_env_float("HFLOW_CONTROLLER_TIMEOUT_S", 15.0), controller=peers[0])
         _leave()
         return None
 
-    cluster = Cluster(world_size, device, server)
+    cluster = Cluster(world_size, device, server, dict(enumerate(peers)))
     try:
         try:
             result = main(cluster, cfg)

@@ -17,6 +17,8 @@ import contextlib
 import ctypes
 import gc
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -78,6 +80,7 @@ class Server:
         self._cv = threading.Condition()
         self.stopped = threading.Event()
         self.last_ping = time.monotonic()
+        self.last_call = "none yet"                  # for the log line when the controller goes silent
         self.count_comm = measure.counting_enabled()
         self._thread = threading.Thread(target=self._loop, name=f"hflow-rank{rank}", daemon=True)
         self._thread.start()
@@ -108,14 +111,17 @@ class Server:
             self._cv.notify()
         return future
 
-    def serve(self, controller_timeout_s: float) -> None:
-        """Block until the controller says stop. Exit non-zero if it goes silent (died)."""
+    def serve(self, controller_timeout_s: float, controller: tuple[str, int] | None = None) -> None:
+        """Block until the controller says stop. Exit non-zero if it goes silent (died or
+        frozen); a frozen controller on this host is SIGKILLed first, as nothing else ends it."""
         self.last_ping = time.monotonic()
         while not self.stopped.wait(timeout=1.0):
             silent = time.monotonic() - self.last_ping
             if silent > controller_timeout_s:
                 log(f"hflow rank {self.rank}: no heartbeat from the controller (rank 0) for "
-                     f"{silent:.0f} s; it probably died. Exiting.")
+                    f"{silent:.0f} s; it died or is frozen. This rank's last call from it: "
+                    f"{self.last_call}. Exiting.")
+                kill_if_local(controller, "the controller (rank 0)")
                 hard_exit()
 
     # ---- the executor ----------------------------------------------------------------------
@@ -128,6 +134,7 @@ class Server:
                     self._cv.wait()
                 task, future = self._queue.pop(self._next_seq)
                 self._next_seq += 1
+            self.last_call = f"{self.describe(task)} (started {time.strftime('%H:%M:%S')}, running)"
             try:
                 reply = ("ok", self._run(task))
             except BaseException as e:
@@ -138,9 +145,17 @@ class Server:
                 reply = ("err", self.rank, "".join(traceback.format_exception(type(e), e, tb)))
             if isinstance(task, Stop):
                 self.stopped.set()
+            self.last_call = self.last_call.replace("running", "finished")
             future.set_result(reply)
             if isinstance(task, Stop):
                 return
+
+    def describe(self, task) -> str:
+        if isinstance(task, Call):
+            return f"{type(self.workers.get(task.group_id)).__name__}.{task.method}"
+        if isinstance(task, Spawn):
+            return f"spawn {task.worker_class.__name__ if task.worker_class else 'a mesh'}"
+        return type(task).__name__
 
     def _run(self, task):
         if isinstance(task, Call):
@@ -172,6 +187,19 @@ class Server:
             self._meshes[key] = DeviceMesh(device_type, grid.array,
                                            mesh_dim_names=grid.dim_names)
         return self._meshes[key]
+
+
+def kill_if_local(peer: tuple[str, int] | None, who: str) -> None:
+    """SIGKILL a peer process that stopped answering, when it runs on this host: a frozen
+    process (SIGSTOP, a hung driver call) cannot end itself, and torchrun's agent would wait 30 s
+    after its SIGTERM before killing it."""
+    if peer is None or peer[0] != socket.gethostname() or peer[1] == os.getpid():
+        return
+    try:
+        os.kill(peer[1], signal.SIGKILL)
+        log(f"hflow: SIGKILLed {who} (pid {peer[1]}), which had stopped answering")
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def to_cpu(x):

@@ -1,4 +1,4 @@
-"""A worker raises (argv: raise RANK) or a rank is SIGKILLed mid-call (argv: kill RANK); run by test_failure.py's tests."""
+"""A worker raises (argv: raise RANK), or a rank is SIGKILLed (argv: kill RANK) or frozen with SIGSTOP (argv: stop RANK) mid-call; run by test_failure.py's tests."""
 import os, signal, sys, time
 import torch, torch.distributed as dist
 import hflow
@@ -32,8 +32,8 @@ def main(cluster, cfg):
     mode, victim = sys.argv[1], int(sys.argv[2])
     group = cluster.spawn(Worker)
     pids = group.pid()
-    print(f"T_FAIL {time.time()}", flush=True)
     if mode == "raise":
+        print(f"T_FAIL {time.time()}", flush=True)
         try:
             group.fail_on(victim)
         except hflow.RemoteError as e:
@@ -46,7 +46,8 @@ def main(cluster, cfg):
         return "returned normally"                 # ...and the exit is non-zero anyway
     pending = group.spin.future()
     time.sleep(0.5)
-    os.kill(pids[victim], signal.SIGKILL)
+    print(f"T_FAIL {time.time()}", flush=True)
+    os.kill(pids[victim], signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
     pending.result()
 
 
