@@ -371,6 +371,7 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
     and None on the others; any failure ends every rank with exit status 1."""
     _default_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _loopback_if_single_node(world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     wanted = os.environ.get("HFLOW_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
     if wanted == "cuda":
@@ -419,6 +420,18 @@ def _leave() -> None:
     except BaseException:
         traceback.print_exc()
         hard_exit(1)
+
+
+def _loopback_if_single_node(world_size: int) -> None:
+    """A run on one host talks over loopback only: gloo, NCCL's bootstrap and RPC bind to `lo`
+    unless the user chose an interface. Their default is the interface the host name resolves
+    to, which on most machines is reachable from the network, and the RPC agent executes what
+    it is sent (see the README's trust model). Multi-node runs keep the defaults (set
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / TP_SOCKET_IFNAME to the cluster's interface)."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size:
+        return
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+        os.environ.setdefault(var, "lo")
 
 
 def _default_env() -> None:
