@@ -27,6 +27,18 @@ def current_device() -> torch.device:
     return _device if _device is not None else torch.device("cpu")
 
 
+def device_of(mesh: DeviceMesh) -> torch.device:
+    """This rank's device for tensors on `mesh`: the one `launch` set when the types agree,
+    else the current CUDA device (`torch.cuda.current_device` exists in every torch hflow
+    allows; `torch.accelerator.current_device_index` does not)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    device = current_device()
+    if device.type == mesh.device_type and device.index is not None:
+        return device
+    return torch.device(mesh.device_type, torch.cuda.current_device())
+
+
 _local_meshes: dict[tuple, DeviceMesh] = {}
 _local_group_counts: dict[tuple, int] = {}
 _names_lock = threading.Lock()

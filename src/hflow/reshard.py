@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from hflow.parallel import device_of
+
 COLUMN_PARALLEL = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 
@@ -71,8 +73,7 @@ def generation_shard(param: DTensor, gen_mesh: DeviceMesh, dim: int | None,
                      dtype: torch.dtype | None = None) -> torch.Tensor:
     """This rank's generation shard of one FSDP2 parameter: chunk t (its tp index) of dim `dim`,
     or the full tensor when `dim` is None. May alias the training storage: copy it."""
-    device = torch.device("cpu") if gen_mesh.device_type == "cpu" else \
-        torch.device(gen_mesh.device_type, torch.accelerator.current_device_index())
+    device = device_of(gen_mesh)
     local = param.to_local().to(device=device, dtype=dtype or param.dtype)  # cast before sending
     (train_placement,) = param.placements
     k, world = train_placement.dim, gen_mesh.size()

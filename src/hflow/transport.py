@@ -19,6 +19,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 _handler: Callable[[object], torch.futures.Future] | None = None
+CPU_CHANNELS = ("basic", "cma", "mpt_uv")   # TensorPipe's CPU channels (CUDA ones: cuda_*)
 
 
 def _name(rank: int) -> str:
@@ -30,15 +31,22 @@ def start(rank: int, world_size: int, handler: Callable[[object], torch.futures.
     """Join the RPC world (rendezvous via env://, as torchrun sets it up)."""
     global _handler
     _handler = handler
+    options = backend_options(num_threads, init_timeout_s)
+    with warnings.catch_warnings():   # RPC's own init trips a deprecation warning of c10d
+        warnings.filterwarnings("ignore", message="You are using a Backend")
+        rpc.init_rpc(_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+def backend_options(num_threads: int = 16, timeout_s: float = 300.0) -> rpc.TensorPipeRpcBackendOptions:
     # TCP via libuv, not TensorPipe's default shared-memory transport: that one busy-polls a
     # core per process even when idle (measured: 25 % of a core per idle rank, and 10x the
     # latency with 4 ranks on 2 cores, ~16 ms vs ~1.6 ms per call). Bulk data still avoids
     # the socket where it can (TensorPipe's cross-memory-attach channel on one host).
-    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=num_threads,
-                                              rpc_timeout=init_timeout_s, _transports=["uv"])
-    with warnings.catch_warnings():   # RPC's own init trips a deprecation warning of c10d
-        warnings.filterwarnings("ignore", message="You are using a Backend")
-        rpc.init_rpc(_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+    # CPU channels only: hflow never sends CUDA tensors over RPC, and a CUDA build would
+    # otherwise also set up the cuda_ipc / cuda_gdr channels, which have crashed at start-up on
+    # some GPU and InfiniBand hosts.
+    return rpc.TensorPipeRpcBackendOptions(num_worker_threads=num_threads, rpc_timeout=timeout_s,
+                                           _transports=["uv"], _channels=list(CPU_CHANNELS))
 
 
 @rpc.functions.async_execution

@@ -35,6 +35,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification)
 
+from hflow.parallel import device_of
 from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
 from hflow.workers.packing import register_attention
 
@@ -82,12 +83,6 @@ class FSDPConfig:
     """free each layer's gathered parameters after its forward (False: keep them for the backward, one all-gather fewer per micro-batch, more memory; None: False on CPU, where memory is plentiful, True on GPUs)"""
     row_parallel_on_dim1: bool = True
     """shard o_proj/down_proj on their input dim, as tensor parallelism does (cheaper resharding)"""
-
-
-def device_of(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
 def mixed_precision(cfg: FSDPConfig, device: torch.device) -> MixedPrecisionPolicy:
