@@ -43,7 +43,7 @@ import torch.distributed as dist
 from . import transport
 from .batch import Batch
 from .dispatch import RankGrid, gather, mode_of, scatter
-from .parallel import set_device
+from .parallel import pick_device, set_device
 from .server import Call, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
 
 
@@ -374,16 +374,13 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
     _loopback_if_single_node(world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     wanted = os.environ.get("HFLOW_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
-    if wanted == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK {local_rank} but this host has "
-                               f"{torch.cuda.device_count()} CUDA device(s): start one process "
-                               f"per GPU (torchrun --nproc-per-node), or set HFLOW_DEVICE=cpu")
-        device = torch.device("cuda", local_rank)
+    device = pick_device(wanted, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                         torch.cuda.device_count() if wanted.strip().lower() != "cpu" else 0)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl"
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        backend = "gloo"
     set_device(device)
     dist.init_process_group(backend)
     peers = [None] * world_size   # (host, pid) of every rank: a frozen rank is ended by its finder

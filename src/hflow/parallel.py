@@ -22,6 +22,38 @@ def set_device(device: torch.device) -> None:
     _device = device
 
 
+def pick_device(wanted: str, local_rank: int, local_world_size: int, cuda_devices: int) -> torch.device:
+    """This rank's device from HFLOW_DEVICE (`cpu`, `cuda`/`gpu`, or `cuda:N` for a lone
+    process), LOCAL_RANK and the CUDA devices this process sees. One process per GPU: rank i
+    of a host takes cuda:i; with one device visible per process (Slurm's --gpus-per-task,
+    CUDA_VISIBLE_DEVICES set per rank) every rank takes cuda:0."""
+    spelled = wanted.strip().lower()
+    if spelled == "cpu":
+        return torch.device("cpu")
+    kind, _, index = spelled.partition(":")
+    if kind not in ("cuda", "gpu") or (index and not index.isdigit()):
+        raise ValueError(f"HFLOW_DEVICE={wanted!r}: use cpu, cuda (one GPU per process, by "
+                         f"LOCAL_RANK) or cuda:N (a single process on GPU N)")
+    if cuda_devices == 0:
+        raise RuntimeError(f"HFLOW_DEVICE={wanted!r} but this process sees no CUDA device "
+                           f"(CUDA_VISIBLE_DEVICES, the driver, or a CPU build of torch); "
+                           f"set HFLOW_DEVICE=cpu to run on the CPU")
+    if index:
+        if local_world_size > 1:
+            raise ValueError(f"HFLOW_DEVICE={wanted!r} pins every rank to one GPU; with "
+                             f"{local_world_size} processes on this host use HFLOW_DEVICE=cuda")
+        if int(index) >= cuda_devices:
+            raise ValueError(f"HFLOW_DEVICE={wanted!r} but this process sees {cuda_devices} CUDA device(s)")
+        return torch.device("cuda", int(index))
+    if cuda_devices == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= cuda_devices:
+        raise RuntimeError(f"LOCAL_RANK {local_rank} but this process sees {cuda_devices} CUDA "
+                           f"devices: start one process per GPU (torchrun --nproc-per-node), "
+                           f"or set HFLOW_DEVICE=cpu")
+    return torch.device("cuda", local_rank)
+
+
 def current_device() -> torch.device:
     """This rank's device (cuda:LOCAL_RANK on GPUs, cpu otherwise), for worker code."""
     return _device if _device is not None else torch.device("cpu")
