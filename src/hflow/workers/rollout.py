@@ -8,11 +8,15 @@ training step never sees it.
 With tp_g > 1 the engine of a tensor-parallel group (ranks t * dp_g + j for t = 0..tp_g-1,
 strided) runs as one: its ranks pool the prompts they were dispatched, generate them all with
 the same seeds, and each keeps the results of its own prompts.
+
+`with_greedy` adds one greedy (temperature 0) response per prompt to the same engine call — the
+baseline of ReMax: row n of each prompt's n + 1 rows, flagged by the bool column `greedy`;
+`split_greedy` separates the two.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -21,6 +25,7 @@ from transformers import GenerationConfig
 
 from hflow.batch import Batch
 from hflow.engine import LLM, SamplingParams
+from hflow.engine.sequence import RequestOutput
 from hflow.parallel import make_mesh
 from hflow.reshard import generation_mesh, generation_weights
 from hflow.workers import layout
@@ -91,9 +96,10 @@ class Rollout:
         return self.llm
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], cfg: RolloutConfig):
+    def generate(self, prompts: list[list[int]], cfg: RolloutConfig, with_greedy: bool = False):
         """Sample `cfg.n` responses for each of this rank's prompts with the actor's current
-        weights. Returns the engine's RequestOutputs, in prompt order."""
+        weights (and, `with_greedy`, a greedy one after them). Returns the engine's
+        RequestOutputs, in prompt order."""
         llm = self._engine(cfg)
         llm.wake_up()
         llm.load_weights(generation_weights(self.model, self.gen_mesh, self.dtype))
@@ -107,11 +113,26 @@ class Rollout:
         params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 max_tokens=cfg.max_tokens, seed=cfg.seed)
         show = cfg.progress and self.train_mesh.get_local_rank() == 0
-        outputs = llm.generate([p for part in pooled for p in part], params, use_tqdm=show)
+        requests = [p for part in pooled for p in part]
+        if with_greedy:
+            # a request of its own next to the samples': it shares the prompt's KV blocks through the
+            # prefix cache, and the samples' seeded streams do not change
+            greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_tokens, seed=cfg.seed)
+            outputs = llm.generate([p for p in requests for _ in range(2)], [params, greedy] * len(requests),
+                                   use_tqdm=show)
+            outputs = [_with_greedy(s, g) for s, g in zip(outputs[0::2], outputs[1::2])]
+        else:
+            outputs = llm.generate(requests, params, use_tqdm=show)
         llm.sleep(level=2 if cfg.free_weights_when_asleep else 1)
         mine = self.gen_mesh.get_local_rank("tp")
         start = sum(len(part) for part in pooled[:mine])
         return outputs[start:start + len(prompts)]
+
+
+def _with_greedy(sampled: RequestOutput, greedy: RequestOutput) -> RequestOutput:
+    """One prompt's samples, then its greedy completion as sample n."""
+    last = replace(greedy.outputs[0], index=len(sampled.outputs))
+    return RequestOutput(sampled.request_id, sampled.prompt_token_ids, [*sampled.outputs, last])
 
 
 def _eos_ids(model_path: str, config) -> list[int] | None:
@@ -140,16 +161,32 @@ def group_max(value: int, mesh: DeviceMesh) -> int:
 
 
 def rollout_batch(prompts_batch, prompts: list[list[int]], outputs, n: int, pad_id: int,
-                  mesh: DeviceMesh, temperature: float):
+                  mesh: DeviceMesh, temperature: float, with_greedy: bool = False):
     """The engine's outputs as a Batch in the layout of hflow/workers/layout.py, with the
-    prompts' other columns repeated n times; widths agree over the mesh so that dp shards
-    concatenate."""
+    prompts' other columns repeated n times (n + 1 `with_greedy`, which adds the bool column
+    `greedy`); widths agree over the mesh so that dp shards concatenate."""
     P = group_max(max(map(len, prompts), default=1), mesh)
     R = group_max(max((len(s.token_ids) for o in outputs for s in o.outputs), default=1), mesh)
     tensors, rows = layout.engine_outputs_to_tensors(prompts, outputs, pad_id, response_len=R, prompt_len=P)
     carried = prompts_batch.drop(*[k for k in ("prompt_ids", "input_ids", "attention_mask")
                                    if k in prompts_batch])
-    out = Batch({**tensors, **rows}, meta={**prompts_batch.meta, "n": n, "temperature": temperature})
+    per_prompt = n + with_greedy
+    out = Batch({**tensors, **rows}, meta={**prompts_batch.meta, "n": per_prompt, "temperature": temperature})
+    if with_greedy:
+        out["greedy"] = (torch.arange(len(out)) % per_prompt) == n
     if len(carried.keys()):
-        out = carried.repeat(n, interleave=True) | out
+        out = carried.repeat(per_prompt, interleave=True) | out
     return out
+
+
+def split_greedy(batch: Batch) -> tuple[Batch, Batch]:
+    """A rollout generated `with_greedy` -> (its sampled rows, meta n = samples per prompt;
+    its greedy rows, one per prompt in prompt order, meta n = 1 and temperature 0)."""
+    if "greedy" not in batch:
+        raise KeyError("split_greedy: the batch has no `greedy` column; generate it with with_greedy=True")
+    is_greedy = batch["greedy"]
+    rows = batch.drop("greedy")
+    sampled, greedy = rows[~is_greedy], rows[is_greedy]
+    sampled.meta["n"] = batch.meta["n"] - 1
+    greedy.meta.update(n=1, temperature=0.0)
+    return sampled, greedy
