@@ -78,11 +78,14 @@ class Actor(ModelWorker):
 
     @dispatch("dp")
     def update(self, batch, loss_fn: Callable, temperature: float | None = None,
-               with_entropy: bool = False) -> dict[str, float]:
+               with_entropy: bool = False, loss_agg: str = "token-mean") -> dict[str, float]:
         """Train on a batch: `cfg.epochs` passes, one optimizer step per mini-batch. The
         temperature must be the rollout's (default: batch.meta["temperature"], else 1); the
-        samples per prompt are batch.meta["n"] (default 1). Returns actor/loss, actor/grad_norm,
-        actor/lr and the loss function's metrics as actor/<name>.
+        samples per prompt are batch.meta["n"] (default 1). `loss_agg` is how `loss_fn`
+        aggregates a micro-batch (algos.AGG_MODES): the update then gives exactly that
+        aggregation over each whole mini-batch, on any micro-batching and number of ranks.
+        Returns actor/loss, actor/grad_norm, actor/lr, actor/skipped_steps and the loss
+        function's metrics as actor/<name>.
 
         A batch without `old_log_probs` is allowed for an on-policy update (one epoch, one
         mini-batch): the loss function then sees the detached current log-probs as the old
@@ -102,22 +105,24 @@ class Actor(ModelWorker):
                 mb = {**mb, "old_log_probs": logp.detach()}
             return loss_fn(logp, self.wrap(mb, batch), entropy=entropy)
 
-        return self.train(tensors, n, loss_of, self.cfg.epochs)
+        return self.train(tensors, n, loss_of, self.cfg.epochs, loss_agg)
 
     @dispatch("dp")
-    def generate(self, prompts: Batch, rollout: RolloutConfig) -> Batch:
+    def generate(self, prompts: Batch, rollout: RolloutConfig, with_greedy: bool = False) -> Batch:
         """Sample `rollout.n` responses per prompt with the current weights, resharded into the
         generation engine (tensor-parallel size rollout.tp_size). `prompts` has a `prompt_ids`
         column (token-id lists) or left-padded `input_ids` + `attention_mask`; its other columns
         are repeated n times. Returns the sequences in the layout of hflow/workers/layout.py plus
-        `rollout_log_probs` and `finish_reason`, meta n and temperature."""
+        `rollout_log_probs` and `finish_reason`, meta n and temperature. `with_greedy` adds a
+        greedy response per prompt from the same engine call (see rollout.split_greedy)."""
         if self.rollout is None:
             raise TypeError(f"{type(self).__name__} does not generate")
         token_lists = prompt_token_lists(prompts)
-        outputs = self.rollout.generate(token_lists, rollout)
+        outputs = self.rollout.generate(token_lists, rollout, with_greedy)
         config = self.model.config
         pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-        return rollout_batch(prompts, token_lists, outputs, rollout.n, pad_id, self.mesh, rollout.temperature)
+        return rollout_batch(prompts, token_lists, outputs, rollout.n, pad_id, self.mesh, rollout.temperature,
+                             with_greedy)
 
     @staticmethod
     def wrap(mb: dict[str, torch.Tensor], like):
