@@ -1,4 +1,6 @@
-"""Draw reward, KL, response length and loss curves from metrics.jsonl files to a PNG.
+"""Draw a run's curves (reward and held-out eval, KL, response length, losses, grad norms,
+reward-function failures) from metrics.jsonl files to a PNG; panels with nothing logged are left
+out.
 
     python scripts/plot_metrics.py --runs outputs/ppo                # -> outputs/ppo/metrics.png
     python scripts/plot_metrics.py --runs outputs/ppo outputs/grpo --out compare.png
@@ -15,10 +17,12 @@ from hflow.metrics import METRICS_FILE, read_metrics
 # panel title -> metrics drawn in it (solid line, then dashed, ...); eval rows are sparse, so
 # every series is drawn only at the steps that carry it.
 PANELS = {
-    "reward": ("reward/mean", "eval/reward_mean"),
+    "reward": ("reward/mean", "eval/reward_mean", "eval/reward_mean_sampled"),
     "KL": ("kl/mean",),
     "response length": ("response_length/mean",),
     "loss": ("actor/loss", "critic/loss"),
+    "grad norm": ("actor/grad_norm", "critic/grad_norm"),
+    "reward failures": ("reward/errors", "reward/timeouts", "reward/crashes"),
 }
 
 
@@ -36,10 +40,15 @@ def plot(runs: list[Path], out: Path, panels: dict = PANELS):
     except ImportError as e:
         raise SystemExit("plot_metrics.py needs matplotlib: run `pip install matplotlib` "
                          "(or `pip install hflow[plot]`).") from e
-    loaded = {_label(path): read_metrics(path) for path in runs}
-    fig = Figure(figsize=(11, 7), layout="constrained")
-    axes = fig.subplots(2, 2).flatten()
-    for ax, (title, keys) in zip(axes, panels.items()):
+    loaded = dict(zip(run_labels(runs), (read_metrics(path) for path in runs)))
+    drawn = {title: keys for title, keys in panels.items()
+             if any(key in row for rows in loaded.values() for row in rows for key in keys)}
+    columns = 2 if len(drawn) > 1 else 1
+    fig = Figure(figsize=(11, 3.5 * -(-len(drawn) // columns)), layout="constrained")
+    axes = fig.subplots(-(-len(drawn) // columns), columns, squeeze=False).flatten()
+    for ax in axes[len(drawn):]:
+        ax.remove()
+    for ax, (title, keys) in zip(axes, drawn.items()):
         for label, rows in loaded.items():
             for style, key in zip(("-", "--", ":", "-."), keys):
                 steps, values = series(rows, key)
@@ -58,9 +67,24 @@ def plot(runs: list[Path], out: Path, panels: dict = PANELS):
     return fig
 
 
-def _label(path: Path) -> str:
-    path = Path(path)
-    return (path.parent if path.name == METRICS_FILE else path).name or str(path)
+def run_labels(runs: list[Path]) -> list[str]:
+    """Each run's label: the shortest tail of its directory's path that tells it from the others
+    (`a/out` and `b/out` are not both `out`); the same path given twice gets #2."""
+    dirs = [Path(p).parent if Path(p).name == METRICS_FILE else Path(p) for p in runs]
+    parts = [d.resolve().parts for d in dirs]
+    labels = []
+    for i, mine in enumerate(parts):
+        others = {other for j, other in enumerate(parts) if j != i and other != mine}
+        n = 1
+        while n < len(mine) and any(other[-n:] == mine[-n:] for other in others):
+            n += 1
+        labels.append("/".join(mine[-n:]) or str(dirs[i]))
+    seen: dict[str, int] = {}
+    for i, label in enumerate(labels):
+        seen[label] = seen.get(label, 0) + 1
+        if seen[label] > 1:
+            labels[i] = f"{label} #{seen[label]}"
+    return labels
 
 
 @dataclass

@@ -172,6 +172,31 @@ def test_plot_compares_runs(tmp_path):
     assert (tmp_path / "cmp.png").exists()
 
 
+def test_runs_in_directories_of_the_same_name_get_labels_that_tell_them_apart(tmp_path):
+    plot_metrics = _load_script()
+    a, b = tmp_path / "lr1e-4" / "out", tmp_path / "lr1e-5" / "out"
+    assert plot_metrics.run_labels([a, b / "metrics.jsonl"]) == ["lr1e-4/out", "lr1e-5/out"]
+    assert plot_metrics.run_labels([tmp_path / "ppo", tmp_path / "grpo"]) == ["ppo", "grpo"]
+    assert plot_metrics.run_labels([a, a]) == ["out", "out #2"]
+
+
+def test_plot_draws_two_out_directories_as_two_runs_with_grad_norms_and_reward_failures(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot_metrics = _load_script()
+    for name in ("a", "b"):
+        with MetricsLogger(tmp_path / name / "out", stream=io.StringIO()) as logger:
+            for step in range(1, 4):
+                logger.log(step, {"reward/mean": 0.1 * step, "actor/grad_norm": 1.0 / step,
+                                  "reward/errors": float(step == 2), "eval/reward_mean_sampled": 0.3})
+    fig = plot_metrics.plot([tmp_path / "a" / "out", tmp_path / "b" / "out"], tmp_path / "x.png")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["reward", "grad norm", "reward failures"]   # nothing logged: no KL/length/loss panel
+    reward = {line.get_label() for line in fig.axes[0].lines}
+    assert reward == {"a/out: reward/mean", "a/out: eval/reward_mean_sampled",
+                      "b/out: reward/mean", "b/out: eval/reward_mean_sampled"}
+    assert [list(line.get_ydata()) for line in fig.axes[2].lines] == [[0, 1, 0], [0, 1, 0]]
+
+
 def test_missing_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     plot_metrics = _load_script()
     _write_run(tmp_path / "run")
