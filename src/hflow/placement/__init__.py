@@ -7,8 +7,9 @@ A plan is a dict role -> list of global ranks, passed to `cluster.spawn(..., ran
     split([["actor", "ref"], ["critic"]], 8, sizes=[6, 2])
 
 Colocated roles take turns on the same ranks (each call runs in controller order); split sets
-run concurrently on disjoint ranks. The automatic mapper (the paper's search over groupings
-with a cost model) builds on these two and comes later.
+run concurrently on disjoint ranks. The automatic mapper (the paper's Algorithm 1: a search over
+groupings, sizes and parallel layouts with a simulator) is `hflow.placement.planner`;
+`python -m hflow.placement plan ...` runs it.
 """
 from __future__ import annotations
 
