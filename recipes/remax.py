@@ -1,0 +1,152 @@
+"""ReMax: REINFORCE with the greedy response as the baseline (Li et al. 2023) — no critic.
+
+    torchrun --nproc-per-node 2 recipes/remax.py                    # the embedded default task
+    torchrun --nproc-per-node 4 recipes/remax.py --algo.kl-coef 0.001 --trainer.placement split
+    torchrun --nproc-per-node 8 recipes/remax.py --model.path ~/models/Qwen2.5-0.5B-Instruct \
+        --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
+        --data.chat --reward.fn gsm8k --rollout.max-tokens 512 --actor.optim.lr 1e-6 --algo.kl-coef 0.001
+    torchrun ... recipes/remax.py --help                            # every flag, grouped
+
+Each step: for each of `data.batch-size` prompts, sample `rollout.n` responses and decode one
+greedy response (temperature 0), all in one engine call with the actor's current weights;
+score them all; give every token of sample i the advantage A_i = s_i - s_greedy(prompt of i)
+(minus beta * the KL to the reference from that token on, with `--algo.kl-coef`: verl's KL in
+the reward); update the actor with the PPO clipped loss on the sampled responses. On-policy
+(the default: one epoch, one mini-batch) the ratio is 1 and this is the paper's REINFORCE.
+The greedy responses are only the baseline: never trained on, logged as reward/greedy_mean.
+
+Supports: any supported Hugging Face causal LM, jsonl/parquet prompts, rule rewards or
+`module:function`, a k1 KL penalty in the reward, several PPO epochs and mini-batches,
+checkpoints and resume, colocated or split (reference on its own ranks) placement, export.
+Not (yet): reward models in the loop, the paper's clipping of s - b to +-5, multi-turn.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+
+import hflow
+from hflow import algos
+from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
+                          TrainerConfig)
+from hflow.data import PromptSampler
+from hflow.evaluation import evaluate
+from hflow.metrics import Timer
+from hflow.placement import colocate, split
+from hflow.recipe import policy_and_prompts, prompt_batch, rollout_metrics, score
+from hflow.rewards import Scorer
+from hflow.run import Run
+from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
+from hflow.workers.rollout import split_greedy
+
+
+@dataclass
+class ReMaxConfig:
+    kl_coef: float = 0.0
+    """beta: weight of the k1 KL penalty to the reference in the reward (0: no reference model at all; verl's example uses 0.001, the paper 0.05)."""
+    clip_low: float = 0.2
+    """PPO clip below: ratio >= 1 - clip_low (inactive on-policy)."""
+    clip_high: float = 0.2
+    """PPO clip above: ratio <= 1 + clip_high (inactive on-policy)."""
+    loss_agg: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
+    """Old log-probs (for the KL in the reward, or an off-policy update): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not). An on-policy update without a KL needs neither."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(
+        optim=OptimConfig(lr=1e-4), max_tokens_per_micro_batch=8192))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=5))
+    algo: ReMaxConfig = field(default_factory=ReMaxConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
+        steps=150, eval_every=50, output_dir="outputs/remax"))
+
+
+def remax_advantages(scores, greedy_scores, mask, kl=None, kl_coef: float = 0.0):
+    """A_t = s_i - b_i - beta * sum_{t' >= t} kl_t' on every token t of sample i, where b_i is
+    the greedy score of i's prompt (`greedy_scores` one per prompt; a prompt's samples are
+    adjacent rows) and the KL term is there only with `kl_coef` > 0."""
+    per_sample = len(scores) // len(greedy_scores)
+    advantages = algos.remax_advantages(scores, greedy_scores.repeat_interleave(per_sample), mask)
+    if kl_coef > 0:
+        # -beta*kl is a reward on each token (verl), so a token's return holds the penalty of all that follows it
+        kl_to_go, _ = algos.gae_advantages(-kl_coef * kl, torch.zeros_like(kl), mask, 1.0, 1.0)
+        advantages = advantages + kl_to_go
+    return advantages
+
+
+def remax_loss(log_probs, mb, entropy=None, *, algo: ReMaxConfig):
+    """The PPO clipped surrogate on the ReMax advantages (verl); on-policy it is REINFORCE."""
+    return algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
+                             algo.clip_low, algo.clip_high, agg=algo.loss_agg)
+
+
+def main(cluster: hflow.Cluster, cfg: Config):
+    algo = cfg.algo
+    roles = ["actor", "ref"] if algo.kl_coef > 0 else ["actor"]
+    plan = split([[r] for r in roles], cluster.world_size) if cfg.trainer.placement == "split" \
+        else colocate(roles, cluster.world_size)
+    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]))
+    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
+    sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
+    scorer = Scorer(cfg.reward)
+    actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
+    actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
+    ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
+    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer, cfg.rollout, cfg.trainer.eval_size)
+    run = Run(cfg.trainer, trained={"actor": actor}, state={"data": sampler}, evaluate=evaluate_now,
+              export=(actor, model_dir))
+
+    loss_fn = functools.partial(remax_loss, algo=algo)
+    # on-policy, the update's own detached log-probs are the old ones; the KL in the reward still
+    # needs the sampling policy's before the update
+    need_old = not is_on_policy(cfg.actor, cfg.data.batch_size) or ref is not None
+    old_from_rollout = algo.old_log_probs == "rollout" or (
+        algo.old_log_probs == "auto" and rollout_log_probs_exact(cfg.actor, cluster.device_type))
+    timer, temperature = Timer(), cfg.rollout.temperature
+    for step in run.steps():
+        with timer("step"):
+            with timer("generate"):   # the greedy baseline comes from the same weights, in the same engine call
+                rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
+                batch, greedy = split_greedy(actor.generate(prompt_batch(next(sampler)), rollout, with_greedy=True))
+            scores, metrics = score(batch, tokenizer, scorer)
+            greedy_scores, _ = score(greedy, tokenizer, scorer)
+            mask = batch["response_mask"]
+            with timer("log_probs"):
+                refs = ref.log_probs.future(batch, temperature) if ref else None
+                if need_old:
+                    batch["old_log_probs"] = batch["rollout_log_probs"] if old_from_rollout else \
+                        actor.log_probs(batch, temperature)["old_log_probs"]
+                if refs:
+                    batch = batch | refs.result()
+            kl = None
+            if ref:
+                kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask
+                metrics["kl/mean"] = algos.masked_mean(kl, mask).item()
+            # the greedy response's score is the baseline: it depends on the prompt, not on the
+            # sample, so the gradient stays unbiased, and no critic has to learn it
+            batch["advantages"] = remax_advantages(scores, greedy_scores, mask, kl, algo.kl_coef)
+            with timer("update"):
+                metrics |= actor.update(batch, loss_fn)[0]
+        if not ref:   # no reference: KL of the updated policy to the one that sampled, as the loss saw it
+            metrics["kl/mean"] = metrics.get("actor/approx_kl", 0.0)
+        metrics["reward/greedy_mean"] = greedy_scores.mean().item()
+        metrics |= rollout_metrics(batch) | timer.pop()
+        metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
+        run.end_step(step, metrics)
+    run.finish()
+    scorer.close()
+
+
+if __name__ == "__main__":
+    hflow.launch(main, tyro.cli(Config))
