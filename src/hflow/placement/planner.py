@@ -129,12 +129,13 @@ class _Point:     # a combination of co-resident models' strategies
 
 def _pareto(points: list[_Point], memory: float) -> list[_Point]:
     """Drop points that don't fit or that another beats on busy time, states and activations."""
-    kept = []
+    kept, least_states = [], {}       # activations (few distinct values) -> least states kept
     for p in sorted(points, key=lambda p: (p.busy, p.states, p.activations)):
         if p.states + p.activations > memory:
             continue
-        if not any(k.states <= p.states and k.activations <= p.activations for k in kept):
+        if not any(a <= p.activations and s <= p.states for a, s in least_states.items()):
             kept.append(p)
+            least_states[p.activations] = min(p.states, least_states.get(p.activations, math.inf))
     return kept
 
 
