@@ -39,6 +39,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
+from hflow.faults import fault_point
+
 EXTRA_FILE = "extra.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -338,6 +340,7 @@ def save_run(root, step: int, groups: dict, extra: dict, keep_last: int | None =
     for future in futures:
         future.result()
     write_extra(tmp, {**extra, "rng": rng_state()})
+    fault_point("checkpoint")
     return commit(root, step, keep_last)
 
 

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
+from hflow.faults import fault_point
 from hflow.workers import layout, packing
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta, is_on_policy
 from hflow.workers.fsdp import build_model
@@ -69,6 +70,7 @@ class Actor(ModelWorker):
         outside response_mask."""
         key = key or self.output_key
         self.model.eval()
+        fault_point("log_probs")
 
         def forward(mb):
             logp, entropy = self._log_probs(layout.trim_padding(mb), temperature, with_entropy)
@@ -102,6 +104,7 @@ class Actor(ModelWorker):
                 mb = {**mb, "old_log_probs": logp.detach()}
             return loss_fn(logp, self.wrap(mb, batch), entropy=entropy)
 
+        fault_point("update")
         return self.train(tensors, n, loss_of, self.cfg.epochs)
 
     @dispatch("dp")

@@ -27,6 +27,7 @@ from hflow.batch import Batch
 from hflow.engine import LLM, SamplingParams
 from hflow.engine.sequence import RequestOutput
 from hflow.parallel import make_mesh
+from hflow.faults import fault_point
 from hflow.reshard import generation_mesh, generation_weights
 from hflow.workers import layout
 from hflow.workers.fsdp import device_of, mixed_precision
@@ -102,6 +103,7 @@ class Rollout:
         RequestOutputs, in prompt order."""
         llm = self._engine(cfg)
         llm.wake_up()
+        fault_point("handoff")
         llm.load_weights(generation_weights(self.model, self.gen_mesh, self.dtype))
         # pool the prompts of the tp group: its engine runs them together
         tp_group = self.gen_mesh.get_group("tp")
@@ -114,6 +116,7 @@ class Rollout:
                                 max_tokens=cfg.max_tokens, seed=cfg.seed)
         show = cfg.progress and self.train_mesh.get_local_rank() == 0
         requests = [p for part in pooled for p in part]
+        fault_point("generate")
         if with_greedy:
             # a request of its own next to the samples': it shares the prompt's KV blocks through the
             # prefix cache, and the samples' seeded streams do not change
