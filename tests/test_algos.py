@@ -206,6 +206,61 @@ def test_reinforce_pp_against_loop():
     assert close(algos.reinforce_pp_advantages(r, m, gamma), want)
 
 
+def test_rloo_is_k_over_k_minus_1_times_the_centred_score_by_hand():
+    # k = 2: each sample's baseline is the other one: A = s_i − s_j = 2/1·(s_i − mean)
+    adv = algos.rloo_advantages([4.0, 0.0, 1.0, 1.0], [0, 0, 1, 1], torch.tensor([[1, 1], [1, 0], [1, 0], [1, 1]]))
+    assert close(adv, [[4.0, 4.0], [-4.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    # k = 4, scores 1, 0, 0, 0: mean 1/4, A_1 = 4/3·3/4 = 1 (= 1 − 0), A_others = 4/3·(−1/4) = −1/3
+    adv = algos.rloo_advantages([1.0, 0.0, 0.0, 0.0], [0] * 4, torch.ones(4, 1))
+    assert close(adv[:, 0], [1.0, -1 / 3, -1 / 3, -1 / 3])
+
+
+def test_reinforce_pp_with_kl_in_the_reward_by_hand():
+    # scores 1, 0 on the last tokens, k1 KL [[1, 1], [2, ·]], β = 0.1:
+    # r = [[−0.1, 0.9], [−0.2, ·]]
+    mask = torch.tensor([[1, 1], [1, 0]])
+    kl = torch.tensor([[1.0, 1.0], [2.0, NAN]])
+    r = algos.scores_to_token_rewards([1.0, 0.0], mask) - 0.1 * torch.where(mask.bool(), kl, 0)
+    # γ = 1: returns 0.8, 0.9, −0.2; batch mean 0.5, unbiased variance (0.09 + 0.16 + 0.49)/2 = 0.37
+    sd = math.sqrt(0.37 + 1e-8)
+    assert close(algos.reinforce_pp_advantages(r, mask, gamma=1.0), [[0.3 / sd, 0.4 / sd], [-0.7 / sd, 0.0]])
+    # γ = 0.5: returns −0.1 + 0.5·0.9 = 0.35, 0.9, −0.2; mean 0.35, variance (0 + 0.3025·2)/2: std 0.55
+    assert close(algos.reinforce_pp_advantages(r, mask, gamma=0.5), [[0.0, 1.0], [-1.0, 0.0]])
+
+
+def test_reinforce_pp_baseline_by_hand():
+    # group means subtracted (no /std of the group): 2, 0 -> 1, −1; 4, 0 -> 2, −2; then whitened over
+    # the batch's 4 tokens: mean 0, unbiased variance (1 + 1 + 4 + 4)/3 = 10/3
+    sd = math.sqrt(10 / 3 + 1e-8)
+    adv = algos.reinforce_pp_baseline_advantages([2.0, 0.0, 4.0, 0.0], ["a", "a", "b", "b"], torch.ones(4, 1))
+    assert close(adv[:, 0], [1 / sd, -1 / sd, 2 / sd, -2 / sd])
+    # (GRPO would give both groups ±0.7071: it divides each group by its own std)
+    # tokens, not sequences, are whitened: 3, 1 -> ±1 on one token each; 2, 2 -> 0 on two tokens
+    # each: 6 tokens, mean 0, variance (1 + 1)/5 = 0.4
+    mask = torch.tensor([[1, 0], [1, 0], [1, 1], [1, 1]])
+    adv = algos.reinforce_pp_baseline_advantages([3.0, 1.0, 2.0, 2.0], [0, 0, 1, 1], mask)
+    a = 1 / math.sqrt(0.4 + 1e-8)
+    assert close(adv, [[a, 0.0], [-a, 0.0], [0.0, 0.0], [0.0, 0.0]])
+
+
+def test_dynamic_sampling_keeps_only_groups_whose_scores_differ():
+    # groups: 0 all right, 1 mixed, 2 all wrong, 3 a single sample, 4 mixed in a non-binary score
+    scores = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.2, 0.2, 0.3]
+    ids = [0, 0, 1, 1, 2, 2, 3, 4, 4, 4]
+    keep = algos.groups_with_varied_scores(scores, ids)
+    assert keep.tolist() == [False, False, True, True, False, False, False, True, True, True]
+    assert keep.dtype == torch.bool
+
+
+def test_overlong_penalty_by_hand():
+    # L_max 10, buffer 4: no penalty up to 6 tokens, then −factor·(|y| − 6)/4, −factor at 10
+    assert close(algos.overlong_penalty([3, 6, 7, 8, 10], max_tokens=10, buffer=4),
+                 [0.0, 0.0, -0.25, -0.5, -1.0])
+    assert close(algos.overlong_penalty(torch.tensor([7, 10]), 10, 4, factor=0.5), [-0.125, -0.5])
+    with pytest.raises(ValueError, match="overlong buffer"):
+        algos.overlong_penalty([3], max_tokens=10, buffer=11)
+
+
 def test_group_id_count_mismatch_is_an_error():
     with pytest.raises(ValueError, match="group id"):
         algos.grpo_advantages([1.0, 2.0], [0], torch.ones(2, 2))

@@ -21,7 +21,8 @@ import torch
 __all__ = [
     "masked_mean", "masked_whiten", "aggregate_loss", "scores_to_token_rewards",
     "gae_advantages", "grpo_advantages", "rloo_advantages", "remax_advantages",
-    "reinforce_pp_advantages", "kl_penalty", "policy_loss", "gspo_policy_loss", "value_loss",
+    "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "groups_with_varied_scores",
+    "overlong_penalty", "kl_penalty", "policy_loss", "gspo_policy_loss", "value_loss",
     "entropy_from_logits", "FixedKLController", "AdaptiveKLController", "AGG_MODES",
     "KL_KINDS",
 ]
@@ -173,13 +174,61 @@ def remax_advantages(scores, baseline_scores, mask):
     return torch.where(m, adv[:, None], 0)
 
 
-def reinforce_pp_advantages(token_rewards, mask, gamma):
+def reinforce_pp_advantages(token_rewards, mask, gamma=1.0):
     """REINFORCE++ (Hu 2025): A = whiten(G) over all masked-in tokens of the batch, where
     G_t = r_t + γ·G_{t+1} is the return-to-go over the masked-in tokens (others skipped).
+    The token rewards carry the KL: r_t = 1[t = last]·score − β·KL_t. Whitening is global (the
+    batch's masked mean and unbiased variance, as `masked_whiten`), never per group.
     Returns advantages [B, T] (0 at masked-out positions)."""
     m = mask.bool()
     returns = _discounted_over_mask(token_rewards, torch.zeros_like(token_rewards), m, gamma, 1.0)
     return masked_whiten(returns, m)
+
+
+def reinforce_pp_baseline_advantages(scores, group_ids, mask):
+    """REINFORCE++-baseline (Hu 2025): the group mean subtracted, then whitened over the batch:
+
+    a_i = s_i − mean_g (no division by the group's std),  A = whiten(a) over all masked-in
+    tokens of the batch (every token of response i holds a_i, so long responses weigh more in
+    the mean and variance, as verl and OpenRLHF). s_i is the sequence's reward (its score, minus
+    β·Σ_t KL_t when the KL is in the reward). A group of one has a_i = 0.
+    Returns advantages [B, T] (0 at masked-out positions).
+    """
+    m = mask.bool()
+    scores = _as_scores(scores, m)
+    _, mean, _ = _group_stats(scores, group_ids)
+    return masked_whiten(torch.where(m, (scores - mean)[:, None], 0), m)
+
+
+def groups_with_varied_scores(scores, group_ids):
+    """DAPO's dynamic-sampling filter (Yu et al. 2025): True for the rows of every group whose
+    scores are not all equal, False for the others (all right, all wrong, or a group of one).
+
+    A group whose scores are all equal has every group-relative advantage 0: it adds no
+    gradient, only dilutes the batch. Exact comparison (max_g == min_g), no tolerance.
+    Returns a bool tensor [B].
+    """
+    scores = torch.as_tensor(scores).detach().reshape(-1).double()
+    index, n_groups = _group_index(group_ids, scores)
+    lowest = scores.new_full((n_groups,), float("inf")).scatter_reduce(0, index, scores, "amin")
+    highest = scores.new_full((n_groups,), float("-inf")).scatter_reduce(0, index, scores, "amax")
+    return (highest > lowest)[index]
+
+
+def overlong_penalty(lengths, max_tokens, buffer, factor=1.0):
+    """DAPO's soft overlong punishment (Yu et al. 2025), added to the score of each response:
+
+    R_len(|y|) = 0                                        if |y| ≤ L_max − L_buf
+               = −factor · (|y| − (L_max − L_buf)) / L_buf   if L_max − L_buf < |y| ≤ L_max
+               = −factor                                  beyond L_max
+    with L_max = `max_tokens` and L_buf = `buffer`: a penalty that grows linearly over the last
+    `buffer` tokens before the length cap. `lengths` [B] (response tokens); returns [B] floats.
+    """
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"the overlong buffer ({buffer}) must be in (0, max_tokens = {max_tokens}]")
+    lengths = torch.as_tensor(lengths, dtype=torch.float32)
+    over = (lengths - (max_tokens - buffer)) / buffer
+    return -factor * over.clamp(0.0, 1.0)
 
 
 def _as_scores(scores, mask):
@@ -193,8 +242,8 @@ def _as_scores(scores, mask):
     return scores
 
 
-def _group_stats(scores, group_ids):
-    """Per row: (size, mean, unbiased std) of its group, each a [B] tensor."""
+def _group_index(group_ids, scores):
+    """(group number 0..G−1 of each row [B], G) from ids that are ints or any hashables."""
     if isinstance(group_ids, torch.Tensor):
         index = torch.unique(group_ids.reshape(-1), return_inverse=True)[1]
     else:
@@ -203,7 +252,12 @@ def _group_stats(scores, group_ids):
     index = index.to(scores.device)
     if index.numel() != scores.numel():
         raise ValueError(f"expected one group id per row ({scores.numel()}), got {index.numel()}")
-    n_groups = int(index.max()) + 1
+    return index, int(index.max()) + 1
+
+
+def _group_stats(scores, group_ids):
+    """Per row: (size, mean, unbiased std) of its group, each a [B] tensor."""
+    index, n_groups = _group_index(group_ids, scores)
     zeros = scores.new_zeros(n_groups)
     count = zeros.index_add(0, index, torch.ones_like(scores))
     mean = zeros.index_add(0, index, scores) / count
