@@ -97,6 +97,8 @@ def test_batch_size_errors_name_the_flags():
         check_batch_sizes(batch_size=4, n=3, mini_batch_size=1, dp=2, prefix="critic")
     with pytest.raises(ValueError, match="--data.batch-size 3"):
         check_batch_sizes(batch_size=3, n=1, mini_batch_size=0, dp=2)
+    with pytest.raises(ValueError, match="--actor.mini-batch-size 8 is more than --data.batch-size 4"):
+        check_batch_sizes(batch_size=4, n=2, mini_batch_size=8, dp=2)
 
 
 def test_rollout_log_probs_stand_in_only_when_the_actor_computes_in_fp32():
@@ -158,10 +160,11 @@ def test_one_rank_and_two_ranks_train_the_same(tmp_path):
     start = {}
     for f in glob.glob(f"{path}/*.safetensors"):
         start |= load_file(f)
-    for weighting in ("tokens", "sequences"):
-        one, two = (torch.load(tmp_path / f"out{w}.pt")[weighting] for w in (1, 2))
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        one, two = (torch.load(tmp_path / f"out{w}.pt")[agg] for w in (1, 2))
         for m1, m2 in zip(one["metrics"], two["metrics"]):
-            assert m1.keys() == m2.keys() == {"actor/loss", "actor/clipfrac", "actor/grad_norm", "actor/lr"}
+            assert m1.keys() == m2.keys() == {"actor/loss", "actor/clipfrac", "actor/grad_norm", "actor/lr",
+                                              "actor/skipped_steps"}
             for key in m1:
                 assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), (key, m1, m2)
         assert max(m["actor/grad_norm"] for m in one["metrics"]) > 0.5  # clipping was active
@@ -176,6 +179,68 @@ def test_one_rank_and_two_ranks_train_the_same(tmp_path):
             # micro-batches and with packed ones (fp32 rounding through 6 Adam steps at lr 1e-2)
             torch.testing.assert_close(w1, two["weights"][name], rtol=1e-5, atol=2e-6)
         assert moved > 1e-3, "training did not change the weights"
+
+
+LOSS_AGG = os.path.join(PROGRAMS, "fsdp_loss_agg.py")
+
+
+def whole_batch_gradient(path, batch, agg):
+    """The oracle: transformers' own forward on the whole (padded) mini-batch, the on-policy
+    PPO loss -A·π/sg(π) per token, aggregated by hand, and its gradient."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    mask, adv = batch["response_mask"], batch["advantages"]
+    P = batch["input_ids"].shape[1] - mask.shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits
+    logp = torch.log_softmax(logits[:, P - 1:-1], -1).gather(-1, batch["responses"][..., None])[..., 0]
+    per_token = -adv * torch.exp(logp - logp.detach()) * mask
+    if agg == "token-mean":
+        loss = per_token.sum() / mask.sum()
+    elif agg == "seq-mean-token-sum":
+        loss = per_token.sum(-1).mean()
+    else:
+        loss = (per_token.sum(-1) / mask.sum(-1)).mean()
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.dist
+def test_every_micro_batching_and_rank_count_gives_the_aggregation_asked_for(tmp_path):
+    """Sequences of 1 to 7 tokens: the gradient of one update with micro-batches of 1, 2 or all
+    sequences, on 1 and on 2 ranks, equals the gradient of the whole mini-batch's loss for each
+    aggregation (token-mean: a mean over tokens; seq-mean-*: a mean over sequences)."""
+    from hflow import algos
+
+    path = tiny_model_dir(tmp_path / "model")
+    runs = {}
+    for world in (1, 2):
+        torchrun(LOSS_AGG, nproc=world, args=[path, tmp_path / f"agg{world}.pt"],
+                 tmp_path=tmp_path, timeout=300, env=TESTS_ENV).check()
+        runs[world] = torch.load(tmp_path / f"agg{world}.pt")
+    batch = random_rollouts(4, 2, 101, seed=30)
+    assert len(set(batch["response_mask"].sum(-1).tolist())) > 3   # uneven lengths
+    for agg in algos.AGG_MODES:
+        oracle = whole_batch_gradient(path, batch, agg)
+        for world, saved in runs.items():
+            for micro in (1, 2, "all"):
+                grads = saved[agg, micro]
+                assert grads.keys() == oracle.keys()
+                for name, grad in grads.items():
+                    torch.testing.assert_close(grad, oracle[name], rtol=1e-4, atol=1e-6,
+                                               msg=lambda m: f"{agg}, {world} ranks, micro-batch {micro}, {name}: {m}")
+
+
+def test_a_batch_cut_short_trains_on_the_most_prompts_that_split():
+    from hflow.workers.base import trainable_prompts
+    assert trainable_prompts(5, n=2, mini_batch_size=0, dp=2) == 5     # 10 sequences over 2 ranks
+    assert trainable_prompts(5, n=1, mini_batch_size=0, dp=2) == 4     # 5 do not split over 2 ranks
+    assert trainable_prompts(5, n=1, mini_batch_size=2, dp=2) == 4     # 2 mini-batches of 2
+    assert trainable_prompts(3, n=2, mini_batch_size=8, dp=2) == 3     # less than a mini-batch: one
+    assert trainable_prompts(7, n=2, mini_batch_size=3, dp=2) == 6
+    assert trainable_prompts(1, n=1, mini_batch_size=0, dp=2) == 0
+    assert num_minibatches(6, 2, 8, 2, "actor") == 1
 
 
 ON_POLICY = os.path.join(PROGRAMS, "fsdp_on_policy.py")

@@ -24,7 +24,7 @@ def test_engine_follows_training_weights(tmp_path, world, tps):
 MODELS = os.path.join(PROGRAMS, "workers_models.py")
 
 
-def classifier_dir(path, kind, seed=1):
+def classifier_dir(path, kind, seed=1, dropout=0.0):
     """A random value model (token classifier) or reward model (sequence classifier)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification, Qwen2ForTokenClassification
@@ -32,7 +32,7 @@ def classifier_dir(path, kind, seed=1):
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, num_labels=1,
-                         classifier_dropout=0.0, pad_token_id=0, eos_token_id=1)
+                         classifier_dropout=dropout, attention_dropout=dropout, pad_token_id=0, eos_token_id=1)
     Model = Qwen2ForTokenClassification if kind == "value" else Qwen2ForSequenceClassification
     Model(config).save_pretrained(str(path))
     return str(path)
@@ -46,3 +46,31 @@ def test_critic_reward_and_checkpoints(tmp_path):
     run = torchrun(MODELS, nproc=2, args=[actor, critic, reward, tmp_path], tmp_path=tmp_path,
                    timeout=300, env={**TESTS_ENV, "HFLOW_DEVICE": "cpu"}).check()
     assert "checkpoint ok" in run.output
+
+
+NO_DROPOUT = os.path.join(PROGRAMS, "workers_no_dropout.py")
+
+
+@pytest.mark.dist
+def test_dropout_is_off_and_a_non_finite_step_is_skipped(tmp_path):
+    """Models whose configs ask for dropout (attention 0.5, classifier 0.3) train without it: two
+    training passes give the same log-probs, equal to the eval pass's (the first on-policy ratio
+    is 1). A NaN loss skips its optimizer step, counts it, and leaves the learning-rate warm-up
+    where it was."""
+    import json
+    actor = tiny_model_dir(tmp_path / "actor", shard=False)
+    config = json.loads((tmp_path / "actor" / "config.json").read_text())
+    (tmp_path / "actor" / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    critic = classifier_dir(tmp_path / "critic", "value", dropout=0.3)
+    torchrun(NO_DROPOUT, nproc=2, args=[actor, critic, tmp_path / "out.pt"], tmp_path=tmp_path,
+             timeout=300, env=TESTS_ENV).check()
+    saved = __import__("torch").load(tmp_path / "out.pt")
+    first, second = saved["updates"]
+    assert first["actor/logp_sum"] == second["actor/logp_sum"]
+    assert first["actor/max_log_ratio"] < 1e-5
+    assert saved["dropout"] == {"actor": [], "ref": [], "critic": []}
+    nan, after = saved["nan"], saved["next"]
+    assert nan["actor/skipped_steps"] == 1.0 and after["actor/skipped_steps"] == 0.0
+    assert saved["unchanged"] and saved["changed"]
+    # warm-up over 4 steps: the first step taken runs at lr/4, however many were skipped before it
+    assert nan["actor/lr"] == after["actor/lr"] == 1e-2 / 4

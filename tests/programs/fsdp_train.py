@@ -15,21 +15,21 @@ def ppo_loss(logp, mb, entropy=None):
     ratio = torch.exp(logp - mb["old_log_probs"])
     per_token = -torch.min(ratio * mb["advantages"], ratio.clamp(0.8, 1.2) * mb["advantages"])
     clipped = ((ratio - 1).abs() > 0.2).float()
-    if weighting == "tokens":  # token-mean
+    if agg == "token-mean":
         mean = lambda x: (x * mask).sum() / mask.sum()
     else:  # seq-mean-token-mean
         mean = lambda x: ((x * mask).sum(-1) / mask.sum(-1)).mean()
     return mean(per_token), {"clipfrac": mean(clipped)}
 
 saved = {}
-for weighting in ("tokens", "sequences"):
+for agg in ("token-mean", "seq-mean-token-mean"):
     # different micro-batching on each layout: by count on 1 rank, by token budget on 2
     # (and activation checkpointing on 2 ranks: it recomputes, it must not change anything;
     # nor must keeping the gathered parameters from the forward to the backward)
-    cfg = ActorConfig(model_path=path, mini_batch_size=2, epochs=2, loss_weighting=weighting,
-                      micro_batch_size=3, max_tokens_per_micro_batch=0 if world == 1 else 24,
+    cfg = ActorConfig(model_path=path, mini_batch_size=2, epochs=2, micro_batch_size=3,
+                      max_tokens_per_micro_batch=0 if world == 1 else 24,
                       fsdp=FSDPConfig(activation_checkpointing=world == 2,
-                                      reshard_after_forward=world == 1 or weighting == "tokens"),
+                                      reshard_after_forward=world == 1 or agg == "token-mean"),
                       optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=20,
                                         grad_clip=0.5))
     actor = Actor(mesh, cfg)
@@ -39,8 +39,8 @@ for weighting in ("tokens", "sequences"):
         local = {k: v.chunk(world)[rank] for k, v in batch.items()}
         actor.log_probs(local)   # a forward with no backward must leave the weights sharded
         assert all(isinstance(p, DTensor) for p in actor.model.parameters())
-        metrics.append(actor.update(local, ppo_loss))
-    saved[weighting] = {"metrics": metrics,
+        metrics.append(actor.update(local, ppo_loss, loss_agg=agg))
+    saved[agg] = {"metrics": metrics,
                         "weights": {n: p.full_tensor() for n, p in actor.model.named_parameters()}}
 if rank == 0:
     torch.save(saved, out)

@@ -40,7 +40,7 @@ def main(cluster, _):
     torch.testing.assert_close(got, expect, rtol=0, atol=1e-5)
     batch["returns"] = torch.randn(mask.shape)
     metrics = critic.update(batch, value_loss)[0]
-    assert set(metrics) == {"critic/loss", "critic/vf", "critic/grad_norm", "critic/lr"}, metrics
+    assert set(metrics) == {"critic/loss", "critic/vf", "critic/grad_norm", "critic/lr", "critic/skipped_steps"}, metrics
 
     # a value model started from the actor: the backbone is the actor's, the head new
     critic = cluster.spawn(Critic, CriticConfig(model_path=actor_path))

@@ -80,11 +80,14 @@ class Actor(ModelWorker):
 
     @dispatch("dp")
     def update(self, batch, loss_fn: Callable, temperature: float | None = None,
-               with_entropy: bool = False) -> dict[str, float]:
+               with_entropy: bool = False, loss_agg: str = "token-mean") -> dict[str, float]:
         """Train on a batch: `cfg.epochs` passes, one optimizer step per mini-batch. The
         temperature must be the rollout's (default: batch.meta["temperature"], else 1); the
-        samples per prompt are batch.meta["n"] (default 1). Returns actor/loss, actor/grad_norm,
-        actor/lr and the loss function's metrics as actor/<name>.
+        samples per prompt are batch.meta["n"] (default 1). `loss_agg` is how `loss_fn`
+        aggregates a micro-batch (algos.AGG_MODES): the update then gives exactly that
+        aggregation over each whole mini-batch, on any micro-batching and number of ranks.
+        Returns actor/loss, actor/grad_norm, actor/lr, actor/skipped_steps and the loss
+        function's metrics as actor/<name>.
 
         A batch without `old_log_probs` is allowed for an on-policy update (one epoch, one
         mini-batch): the loss function then sees the detached current log-probs as the old
@@ -105,7 +108,7 @@ class Actor(ModelWorker):
             return loss_fn(logp, self.wrap(mb, batch), entropy=entropy)
 
         fault_point("update")
-        return self.train(tensors, n, loss_of, self.cfg.epochs)
+        return self.train(tensors, n, loss_of, self.cfg.epochs, loss_agg)
 
     @dispatch("dp")
     def generate(self, prompts: Batch, rollout: RolloutConfig, with_greedy: bool = False) -> Batch:

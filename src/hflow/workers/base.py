@@ -1,25 +1,28 @@
 """What every FSDP2 worker shares: micro-batching, the training loop, checkpoints.
 
-The loss of a mini-batch is the same whatever the micro-batching and the number of ranks.
-Each micro-batch loss L_k (from the recipe's loss function: a mean over its own tokens or
-sequences) is weighted by its share of the mini-batch,
+The loss of a mini-batch is the same whatever the micro-batching and the number of ranks: the
+aggregation `loss_agg` asks for, over the whole mini-batch. The recipe's loss function
+aggregates its micro-batch the same way (a mean over its own tokens for token-mean, over its
+own sequences for seq-mean-*), and each micro-batch loss L_k is weighted by its share,
 
-    L = sum_k (u_k / U) * L_k,   u_k = tokens (or sequences) of micro-batch k,
-                                 U   = tokens (or sequences) of the mini-batch on all ranks,
+    L = sum_k (u_k / U) * L_k,   u_k = tokens (token-mean) or sequences (seq-mean-*) of micro-batch k,
+                                 U   = the same count over the mini-batch on all ranks,
 
-and since FSDP averages gradients over the D ranks, each rank back-propagates D * (u_k / U) * L_k.
+which is exactly the mini-batch's token mean (sum of token losses / U) or sequence mean (sum of
+sequence losses / U). FSDP averages gradients over the D ranks, so each rank back-propagates
+D * (u_k / U) * L_k.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hflow import measure
+from hflow import algos, measure
 from hflow.checkpoint import ModelState, export_hf, load_sharded, save_sharded
 from hflow.dispatch import dispatch
 from hflow.workers import layout
@@ -41,8 +44,6 @@ class TrainingConfig:
     """sequences per forward/backward on one rank"""
     max_tokens_per_micro_batch: int = 0
     """token budget of a micro-batch on one rank, balanced over ranks (0: use micro_batch_size)"""
-    loss_weighting: Literal["tokens", "sequences"] = "tokens"
-    """micro-batch losses add up weighted by response tokens (token-mean losses) or by sequences (seq-mean losses)"""
 
 
 def as_tensors(batch) -> dict[str, torch.Tensor]:
@@ -72,7 +73,7 @@ def num_minibatches(rows: int, n: int, mini_batch_size: int, dp: int, prefix: st
     if rows % n:
         raise ValueError(f"{rows} sequences are not a whole number of prompts of --rollout.n {n}")
     prompts = rows // n
-    mini = mini_batch_size or prompts
+    mini = min(mini_batch_size or prompts, prompts)   # a batch cut short (DAPO's) is one mini-batch
     if prompts % mini:
         raise ValueError(f"a batch of {prompts} prompts does not split into mini-batches of "
                          f"--{prefix}.mini-batch-size {mini} prompts")
@@ -85,7 +86,7 @@ def num_minibatches(rows: int, n: int, mini_batch_size: int, dp: int, prefix: st
 def is_on_policy(cfg: TrainingConfig, batch_size: int) -> bool:
     """One epoch of one mini-batch: the policy that sampled is the policy being updated, so its
     log-probs are the update's own (detached) and need no forward pass of their own."""
-    return cfg.epochs == 1 and cfg.mini_batch_size in (0, batch_size)
+    return cfg.epochs == 1 and (cfg.mini_batch_size == 0 or cfg.mini_batch_size >= batch_size)
 
 
 def rollout_log_probs_exact(cfg: TrainingConfig, device_type: str) -> bool:
@@ -100,7 +101,20 @@ def check_batch_sizes(batch_size: int, n: int, mini_batch_size: int, dp: int, pr
     if (batch_size * n) % dp:
         raise ValueError(f"--data.batch-size {batch_size} x --rollout.n {n} = {batch_size * n} sequences "
                          f"do not split over {dp} ranks")
+    if mini_batch_size > batch_size:
+        raise ValueError(f"--{prefix}.mini-batch-size {mini_batch_size} is more than --data.batch-size "
+                         f"{batch_size} prompts: lower it (0: the whole batch)")
     num_minibatches(batch_size * n, n, mini_batch_size, dp, prefix)
+
+
+def trainable_prompts(prompts: int, n: int, mini_batch_size: int, dp: int) -> int:
+    """The most prompts, at most `prompts`, whose samples an update can split over `dp` ranks
+    and into mini-batches of `mini_batch_size` prompts (0 if none): how much of a batch cut
+    short (DAPO's dynamic sampling at its cap) can be trained on."""
+    for k in range(prompts, 0, -1):
+        if (k * n) % dp == 0 and (k <= (mini_batch_size or k) or k % mini_batch_size == 0):
+            return k
+    return 0
 
 
 class ModelWorker:
@@ -153,21 +167,26 @@ class ModelWorker:
 
     # ---- training --------------------------------------------------------------------------
 
-    def train(self, tensors: dict[str, torch.Tensor], n: int, loss_of: Callable, epochs: int) -> dict[str, float]:
+    def train(self, tensors: dict[str, torch.Tensor], n: int, loss_of: Callable, epochs: int,
+              loss_agg: str = "token-mean") -> dict[str, float]:
         """PPO-style epochs over strided mini-batches, one optimizer step per mini-batch.
 
-        `loss_of(micro_batch) -> (loss, metrics)`. Returns the loss and metrics averaged over
+        `loss_of(micro_batch) -> (loss, metrics)`, its loss aggregated over the micro-batch as
+        `loss_agg` says (see the module docstring). Returns the loss and metrics averaged over
         the optimizer steps (each step's are mini-batch-weighted means over all ranks), plus
-        grad_norm and lr (the learning rate of the last step), keyed "<role>/<name>"
-        (e.g. actor/loss, actor/clipfrac, critic/grad_norm).
+        grad_norm, lr (the learning rate of the last step) and skipped_steps (optimizer steps
+        skipped for a non-finite gradient norm), keyed "<role>/<name>" (e.g. actor/loss,
+        actor/clipfrac, critic/grad_norm).
         """
+        if loss_agg not in algos.AGG_MODES:
+            raise ValueError(f"unknown loss aggregation {loss_agg!r}; choose one of {algos.AGG_MODES}")
         dp = self.mesh.size()
         rows = len(tensors["input_ids"])
         count = num_minibatches(rows * dp, n, self.cfg.mini_batch_size, dp, self.flag_prefix)
-        by_tokens = self.cfg.loss_weighting == "tokens"
+        by_tokens = loss_agg == "token-mean"
         self.model.train()
         totals: dict[str, float] = defaultdict(float)
-        steps, lr = 0, 0.0
+        steps, skipped, lr = 0, 0, 0.0
         for _ in range(epochs):
             for mini_rows in layout.minibatch_rows(rows, count):
                 mini = select(tensors, mini_rows)
@@ -184,10 +203,14 @@ class ModelWorker:
                             sums[key] += float(value) * u / total
                 grad_norm = clip_grad_norm_(self.model.parameters(), self.grad_clip)
                 lr = self.scheduler.get_last_lr()[0]
-                if torch.isfinite(grad_norm):  # a non-finite norm skips the step (and is reported)
+                # a non-finite norm (the same on every rank) skips the step; the schedule waits
+                # too, so that the learning rate follows the steps actually taken
+                if torch.isfinite(grad_norm):
                     self.optimizer.step()
+                    self.scheduler.step()
+                else:
+                    skipped += 1
                 self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
                 keys = sorted(sums)
                 reduced = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64), self.mesh)
                 for key, value in zip(keys, reduced.tolist()):
@@ -195,7 +218,7 @@ class ModelWorker:
                 totals["grad_norm"] += float(grad_norm)
                 steps += 1
         metrics = {k: v / steps for k, v in totals.items()}
-        metrics["lr"] = lr
+        metrics["lr"], metrics["skipped_steps"] = lr, float(skipped)
         metrics = {f"{self.flag_prefix}/{k}": v for k, v in metrics.items()}
         if measure.counting_enabled():
             metrics[f"comm/{self.flag_prefix}_received_MiB"] = measure.received_since_last_report() / 2**20

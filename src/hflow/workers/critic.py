@@ -55,10 +55,12 @@ class Critic(ModelWorker):
         return Batch(self.forward_rows(as_tensors(batch), lambda mb: {"values": self._values(layout.trim_padding(mb))}))
 
     @dispatch("dp")
-    def update(self, batch, loss_fn: Callable) -> dict[str, float]:
+    def update(self, batch, loss_fn: Callable, loss_agg: str = "token-mean") -> dict[str, float]:
         """Train on a batch (epochs x mini-batches as the Actor); loss_fn(values [b, r],
-        micro_batch) -> (loss, metrics). Returns critic/loss, critic/grad_norm, critic/lr, ..."""
+        micro_batch) -> (loss, metrics), aggregated as `loss_agg` (see Actor.update).
+        Returns critic/loss, critic/grad_norm, critic/lr, critic/skipped_steps, ..."""
         def loss_of(mb):
             return loss_fn(self._values(mb), Actor.wrap(mb, batch))
 
-        return self.train(as_tensors(batch), int(batch_meta(batch).get("n", 1)), loss_of, self.cfg.epochs)
+        return self.train(as_tensors(batch), int(batch_meta(batch).get("n", 1)), loss_of, self.cfg.epochs,
+                          loss_agg)

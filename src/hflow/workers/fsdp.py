@@ -282,10 +282,14 @@ def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causa
             "reward": AutoModelForSequenceClassification}[kind]
     if kind != "causal_lm":
         config.num_labels = 1
-        config.classifier_dropout = 0.0  # a value head must be deterministic in training mode
+        config.classifier_dropout = 0.0   # unset, transformers' heads fall back to 0.1
+    without_dropout(config)
     with params_on_meta():
         # every pass of a worker runs on packed sequences (hflow/workers/packing.py)
         model = auto.from_config(config, dtype=torch.float32, attn_implementation=register_attention())
+    for module in model.modules():   # any dropout the config does not name
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
     model.requires_grad_(trainable)
     shard_model(model, mesh, cfg)
     materialize(model, mesh, cfg)
@@ -298,6 +302,18 @@ def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causa
     if not trainable:
         model.eval()
     return model
+
+
+def without_dropout(config) -> None:
+    """Set every dropout probability of a transformers config to 0 (attention_dropout,
+    hidden_dropout, resid_pdrop, embd_pdrop, classifier_dropout, ...).
+
+    RL needs the training pass to compute the policy that sampled: with dropout on, the ratio
+    pi/pi_old of the first on-policy step is not 1, and a value or reward model is noisy.
+    """
+    for name, value in vars(config).items():
+        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, name, 0.0)
 
 
 def _is_causal_lm_checkpoint(path: str) -> bool:
