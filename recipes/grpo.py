@@ -1,20 +1,49 @@
-"""GRPO: group-relative policy optimisation (Shao et al. 2024) — no critic.
+"""GRPO and its critic-free relatives: RLOO, REINFORCE++, Dr.GRPO, DAPO, GSPO — one dataflow.
 
     torchrun --nproc-per-node 2 recipes/grpo.py                     # the embedded default task
+    torchrun --nproc-per-node 2 recipes/grpo.py --algo.estimator rloo --algo.kl-coef 0.001
+    torchrun --nproc-per-node 2 recipes/grpo.py --algo.clip-high 0.28 --algo.dynamic-sampling \
+        --algo.overlong-buffer 2                                    # DAPO
+    torchrun --nproc-per-node 2 recipes/grpo.py --algo.loss gspo    # GSPO
     torchrun --nproc-per-node 8 recipes/grpo.py --model.path ~/models/Qwen2.5-0.5B-Instruct \
         --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
-        --data.chat --reward.fn gsm8k --rollout.max-tokens 512 --actor.optim.lr 1e-6
+        --data.chat --reward.fn gsm8k
     torchrun ... recipes/grpo.py --help                             # every flag, grouped
 
 Each step: sample `rollout.n` responses for each of `data.batch-size` prompts with the actor's
-current weights (resharded into the generation engine on the same ranks), score them, take
-A_i = (s_i - mean_group) / (std_group + eps) for every token of response i, and update the actor
-with the PPO clipped loss (+ a k3 KL loss to the reference policy when `--algo.kl-coef` > 0).
+current weights (resharded into the generation engine on the same ranks), score them, turn the
+scores into advantages with `--algo.estimator`, and update the actor with the clipped loss
+`--algo.loss` (+ a KL loss to the reference policy when `--algo.kl-coef` > 0 and the KL is not
+in the reward). With s_i the reward of response i (its score, minus beta * sum_t KL_t when the KL
+is in the reward) and g the n responses to its prompt:
+
+    grpo                   A_i = (s_i - mean_g) / (std_g + eps)        Shao et al. 2024
+    drgrpo                 A_i = s_i - mean_g                          Liu et al. 2025 (= --algo.no-norm-by-std)
+    rloo                   A_i = n/(n-1) * (s_i - mean_g)              Ahmadian et al. 2024 (leave one out)
+    reinforce_pp           A_t = whiten_batch(sum_{t'>=t} gamma^(t'-t) r_t'),  r_t = score at the
+                           last token - beta * KL_t                    Hu 2025
+    reinforce_pp_baseline  A_i = whiten_batch(s_i - mean_g)            Hu 2025
+
+whiten_batch: minus the mean, over the std, of every response token of the batch. The KL to the
+reference is in the loss (--algo.kl-kind) for grpo and drgrpo, in the reward (k1 per token) for
+rloo and the REINFORCE++ pair, as their papers have it (`--algo.kl-in-reward` overrides).
+
+Losses: ppo (a ratio per token, clipped to [1 - 0.2, 1 + 0.2], token-mean) or gspo (Zheng et al.
+2025: one length-normalised ratio per sequence, clipped to [1 - 3e-4, 1 + 4e-4] — the paper's
+values, since a sequence's mean log-ratio moves far less than a token's — seq-mean-token-mean).
+
+DAPO (Yu et al. 2025) is GRPO with clip-higher (`--algo.clip-high 0.28`), the token-mean loss and
+no KL (both defaults here), dynamic sampling (`--algo.dynamic-sampling`: groups whose scores are all
+equal are dropped and more prompts sampled until the batch is full, at most
+`--algo.max-sampling-rounds` rounds, then it trains on what it kept) and overlong reward shaping
+(`--algo.overlong-buffer L`: a penalty rising linearly to `--algo.overlong-penalty` over the last
+L tokens before `--rollout.max-tokens`).
 
 Supports: any supported Hugging Face causal LM, jsonl/parquet prompts, rule rewards or
-`module:function`, Dr.GRPO (`--algo.no-norm-by-std`), clip-higher, several PPO epochs and
-mini-batches, checkpoints and resume, colocated or split (reference on its own ranks) placement.
-Not (yet): reward models, multi-turn rollouts, sequence packing.
+`module:function`, the estimators and losses above, DAPO, several PPO epochs and mini-batches,
+checkpoints and resume, colocated or split (reference on its own ranks) placement.
+Not (yet): reward models, DAPO's overlong filtering (masking truncated responses out of the loss),
+multi-turn rollouts.
 """
 from __future__ import annotations
 
@@ -29,7 +58,7 @@ import tyro
 import hflow
 from hflow import algos
 from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
-                          TrainerConfig)
+                          TrainerConfig, by_model, resolve_defaults)
 from hflow.data import PromptSampler
 from hflow.metrics import Timer
 from hflow.placement import colocate, split
@@ -38,22 +67,46 @@ from hflow.recipe import policy_and_prompts, prompt_batch, rollout_metrics, scor
 from hflow.rewards import Scorer
 from hflow.run import Run
 from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
+from hflow.workers.base import trainable_prompts
+from hflow.workers.layout import concat_rollouts
+
+Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+# (clip_low, clip_high, loss_agg) of each loss when the flags leave them unset
+LOSS_DEFAULTS = {"ppo": (0.2, 0.2, "token-mean"), "gspo": (3e-4, 4e-4, "seq-mean-token-mean")}
+KL_IN_REWARD = {"grpo": False, "drgrpo": False, "rloo": True, "reinforce_pp": True, "reinforce_pp_baseline": True}
 
 
 @dataclass
 class GRPOConfig:
-    clip_low: float = 0.2
-    """PPO clip below: ratio >= 1 - clip_low."""
-    clip_high: float = 0.2
-    """PPO clip above: ratio <= 1 + clip_high (DAPO's clip-higher: raise it)."""
+    estimator: Estimator = "grpo"
+    """Advantage estimator (their formulas: the docstring of recipes/grpo.py)."""
+    loss: Literal["ppo", "gspo"] = "ppo"
+    """Policy loss: ppo (token-level ratio) or gspo (sequence-level ratio)."""
+    clip_low: float | None = None
+    """Clip below: ratio >= 1 - clip_low (None: 0.2 for ppo, 3e-4 for gspo)."""
+    clip_high: float | None = None
+    """Clip above: ratio <= 1 + clip_high (None: 0.2 for ppo, 4e-4 for gspo; DAPO's clip-higher: 0.28)."""
+    loss_agg: AggMode | None = None
+    """How token losses add up over a mini-batch (None: token-mean for ppo, seq-mean-token-mean for gspo)."""
     kl_coef: float = 0.0
-    """Weight of the KL loss to the reference policy (0: no reference model at all)."""
+    """beta: weight of the KL to the reference policy (0: no reference model at all)."""
+    kl_in_reward: bool | None = None
+    """Put the KL in the reward (k1 per token) instead of the loss (None: in the reward for rloo, reinforce_pp, reinforce_pp_baseline; in the loss for grpo, drgrpo)."""
     kl_kind: str = "low_var_kl"
-    """KL estimator of that loss: k1, k2, k3, abs, low_var_kl (k3, clamped)."""
+    """KL estimator of the KL loss: k1, k2, k3, abs, low_var_kl (k3, clamped)."""
+    gamma: float = 1.0
+    """Discount of reinforce_pp's return-to-go."""
     norm_by_std: bool = True
-    """Divide by the group's std (False: Dr.GRPO)."""
-    loss_agg: str = "token-mean"
-    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    """Divide grpo's advantages by the group's std; --algo.no-norm-by-std is --algo.estimator drgrpo."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose scores are all equal and sample more prompts until the batch is full."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: generation rounds per step at most, the first included; then train on what was kept."""
+    overlong_buffer: int = 0
+    """DAPO: penalise responses longer than --rollout.max-tokens minus this many tokens (0: off)."""
+    overlong_penalty: float = 1.0
+    """DAPO: the overlong penalty at --rollout.max-tokens (it rises linearly from 0 over the buffer)."""
     old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
     """Old log-probs of an off-policy update (several epochs or mini-batches): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not). An on-policy update needs neither."""
 
@@ -64,31 +117,99 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(
-        optim=OptimConfig(lr=1e-4), max_tokens_per_micro_batch=8192))
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8, max_tokens=5))
+        optim=OptimConfig(lr=by_model(1e-4, 1e-6)), max_tokens_per_micro_batch=8192))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8, max_tokens=by_model(5, 512)))
     algo: GRPOConfig = field(default_factory=GRPOConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
         steps=150, eval_every=50, output_dir="outputs/grpo"))
 
 
+def resolve_algo(algo: GRPOConfig, max_tokens: int) -> GRPOConfig:
+    """The flags left unset filled in from the estimator and the loss; bad combinations refused."""
+    estimator = algo.estimator
+    if not algo.norm_by_std:
+        if estimator not in ("grpo", "drgrpo"):
+            raise ValueError(f"--algo.no-norm-by-std is --algo.estimator drgrpo; it does not apply to {estimator}")
+        estimator = "drgrpo"
+    if algo.max_sampling_rounds < 1:
+        raise ValueError(f"--algo.max-sampling-rounds must be >= 1, got {algo.max_sampling_rounds}")
+    if not 0 <= algo.overlong_buffer <= max_tokens:
+        raise ValueError(f"--algo.overlong-buffer {algo.overlong_buffer} must be between 0 and "
+                         f"--rollout.max-tokens {max_tokens}")
+    clip_low, clip_high, loss_agg = LOSS_DEFAULTS[algo.loss]
+    return dataclasses.replace(
+        algo, estimator=estimator, clip_low=clip_low if algo.clip_low is None else algo.clip_low,
+        clip_high=clip_high if algo.clip_high is None else algo.clip_high, loss_agg=algo.loss_agg or loss_agg,
+        kl_in_reward=KL_IN_REWARD[estimator] if algo.kl_in_reward is None else algo.kl_in_reward)
+
+
+def advantages(algo: GRPOConfig, token_rewards, groups, mask):
+    """The estimator's advantages [B, R] from per-token rewards (the score on the last token,
+    minus beta * KL on every token when the KL is in the reward)."""
+    if algo.estimator == "reinforce_pp":
+        return algos.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
+    rewards = token_rewards.sum(-1)   # one reward per response
+    if algo.estimator in ("grpo", "drgrpo"):
+        return algos.grpo_advantages(rewards, groups, mask, norm_by_std=algo.estimator == "grpo")
+    if algo.estimator == "rloo":
+        return algos.rloo_advantages(rewards, groups, mask)
+    return algos.reinforce_pp_baseline_advantages(rewards, groups, mask)
+
+
 def grpo_loss(log_probs, mb, entropy=None, *, algo: GRPOConfig):
-    """PPO clipped surrogate on group-relative advantages, plus the KL loss to the reference."""
+    """The clipped policy loss on the advantages, plus the KL loss to the reference, both
+    aggregated as --algo.loss-agg (so that the update's micro-batch weighting is exact)."""
     mask = mb["response_mask"]
+    policy_loss = algos.gspo_policy_loss if algo.loss == "gspo" else algos.policy_loss
     # clipped below and above apart: a higher upper clip (DAPO) lets rare good tokens gain faster
-    loss, metrics = algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask,
-                                      algo.clip_low, algo.clip_high, agg=algo.loss_agg)
-    if algo.kl_coef > 0:   # GRPO puts the KL in the loss, not the reward: advantages stay group-relative
-        kl = algos.masked_mean(algos.kl_penalty(log_probs, mb["ref_log_probs"], algo.kl_kind), mask)
+    loss, metrics = policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask,
+                                clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg)
+    if algo.kl_coef > 0 and not algo.kl_in_reward:   # in the loss, the KL leaves advantages group-relative
+        kl = algos.aggregate_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], algo.kl_kind), mask, algo.loss_agg)
         loss = loss + algo.kl_coef * kl
         metrics["kl_loss"] = kl.item()
     return loss, metrics
 
 
+def sample(actor, sampler, tokenizer, scorer, cfg: Config, algo: GRPOConfig, step: int, dp: int):
+    """This step's responses and their scores (with DAPO's overlong penalty) and the scorer's
+    metrics. With dynamic sampling, only the groups whose scores differ, from as many rounds of
+    `data.batch-size` prompts as it takes to fill the batch (at most --algo.max-sampling-rounds)."""
+    n, batch_size = cfg.rollout.n, cfg.data.batch_size
+    rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
+    kept, kept_scores, metrics = [], [], {}
+    for r in range(rounds):
+        # a seed per (step, round): a resumed run draws what the uninterrupted one drew
+        rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step * rounds + r)
+        batch = actor.generate(prompt_batch(next(sampler)), rollout)
+        scores, round_metrics = score(batch, tokenizer, scorer)
+        if r == 0:   # the first round's metrics: the policy's reward, unfiltered
+            metrics = round_metrics
+        if algo.overlong_buffer:   # DAPO: a soft penalty near the length cap, not a cliff at it
+            scores = scores + algos.overlong_penalty(batch["response_mask"].sum(-1), cfg.rollout.max_tokens,
+                                                     algo.overlong_buffer, algo.overlong_penalty)
+        if not algo.dynamic_sampling:
+            return batch, scores, metrics
+        # a group whose samples all scored alike has every advantage 0: it only dilutes the batch
+        keep = algos.groups_with_varied_scores(scores, torch.arange(len(batch)) // n)
+        kept.append(batch[keep])
+        kept_scores.append(scores[keep])
+        if sum(len(b) for b in kept) >= batch_size * n:
+            break
+    prompts = trainable_prompts(min(sum(len(b) for b in kept) // n, batch_size), n, cfg.actor.mini_batch_size, dp)
+    metrics |= {"dapo/extra_rounds": float(r), "dapo/kept_groups": float(prompts),
+                "dapo/short_batch": float(prompts < batch_size)}   # the cap was hit: fewer prompts than asked
+    return concat_rollouts(kept)[:prompts * n], torch.cat(kept_scores)[:prompts * n], metrics
+
+
 def main(cluster: hflow.Cluster, cfg: Config):
-    roles = ["actor", "ref"] if cfg.algo.kl_coef > 0 else ["actor"]
+    cfg = resolve_defaults(cfg)
+    algo = resolve_algo(cfg.algo, cfg.rollout.max_tokens)
+    roles = ["actor", "ref"] if algo.kl_coef > 0 else ["actor"]
     plan = split([[r] for r in roles], cluster.world_size) if cfg.trainer.placement == "split" \
         else colocate(roles, cluster.world_size)
-    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]))
+    dp = len(plan["actor"])
+    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, dp)
     model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
     sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     scorer = Scorer(cfg.reward)
@@ -99,38 +220,43 @@ def main(cluster: hflow.Cluster, cfg: Config):
     run = Run(cfg.trainer, trained={"actor": actor}, state={"data": sampler}, evaluate=evaluate_now,
               export=(actor, model_dir))
 
-    loss_fn = functools.partial(grpo_loss, algo=cfg.algo)
-    on_policy = is_on_policy(cfg.actor, cfg.data.batch_size)
-    old_from_rollout = cfg.algo.old_log_probs == "rollout" or (
-        cfg.algo.old_log_probs == "auto" and rollout_log_probs_exact(cfg.actor, cluster.device_type))
+    loss_fn = functools.partial(grpo_loss, algo=algo)
+    # on-policy, the update's own log-probs (detached) are the old ones: ratio 1, one forward fewer;
+    # a KL in the reward still needs the sampling policy's log-probs before the update
+    need_old = not is_on_policy(cfg.actor, cfg.data.batch_size) or (ref is not None and algo.kl_in_reward)
+    old_from_rollout = algo.old_log_probs == "rollout" or (
+        algo.old_log_probs == "auto" and rollout_log_probs_exact(cfg.actor, cluster.device_type))
     timer = Timer()
     for step in run.steps():
         with timer("step"):
             with timer("generate"):
-                rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
-                batch = actor.generate(prompt_batch(next(sampler)), rollout)
-            scores, metrics = score(batch, tokenizer, scorer)
-            mask = batch["response_mask"]
-            groups = torch.arange(len(batch)) // cfg.rollout.n       # the n samples of a prompt are adjacent
-            # the group's mean is the baseline: no critic; a group whose samples all scored alike teaches nothing
-            batch["advantages"] = algos.grpo_advantages(scores, groups, mask, cfg.algo.norm_by_std)
-            with timer("log_probs"):
-                refs = ref.log_probs.future(batch, cfg.rollout.temperature) if ref else None
-                if not on_policy:   # (on-policy, the update's own detached log-probs are the old ones: one forward fewer)
-                    batch["old_log_probs"] = batch["rollout_log_probs"] if old_from_rollout else \
-                        actor.log_probs(batch, cfg.rollout.temperature)["old_log_probs"]
-                if refs:
-                    batch = batch | refs.result()
-            with timer("update"):
-                metrics |= actor.update(batch, loss_fn)[0]
-        if ref:   # KL of the sampling policy to the reference (on-policy: the engine's log-probs of it)
-            sampled = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
-            metrics["kl/mean"] = algos.masked_mean(algos.kl_penalty(sampled, batch["ref_log_probs"], "k1"),
-                                                   mask).item()
-        else:   # no reference: KL of the updated policy to the one that sampled, as the loss saw it
-            metrics["kl/mean"] = metrics.get("actor/approx_kl", 0.0)
-        metrics |= rollout_metrics(batch) | timer.pop()
-        metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
+                batch, scores, metrics = sample(actor, sampler, tokenizer, scorer, cfg, algo, step, dp)
+            if len(batch):   # (dynamic sampling may keep no group at all: nothing to learn this step)
+                mask = batch["response_mask"]
+                with timer("log_probs"):
+                    refs = ref.log_probs.future(batch, cfg.rollout.temperature) if ref else None
+                    if need_old:
+                        batch["old_log_probs"] = batch["rollout_log_probs"] if old_from_rollout else \
+                            actor.log_probs(batch, cfg.rollout.temperature)["old_log_probs"]
+                    if refs:
+                        batch = batch | refs.result()
+                token_rewards = algos.scores_to_token_rewards(scores, mask)   # the score lands on the last token
+                if ref:   # KL of the sampling policy to the reference (on-policy: the engine's log-probs of it)
+                    sampled = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
+                    kl = algos.kl_penalty(sampled, batch["ref_log_probs"], "k1") * mask
+                    metrics["kl/mean"] = algos.masked_mean(kl, mask).item()
+                    if algo.kl_in_reward:   # every token pays for straying from the reference
+                        token_rewards = token_rewards - algo.kl_coef * kl
+                # the group (or the batch) is the baseline: no critic
+                batch["advantages"] = advantages(algo, token_rewards, torch.arange(len(batch)) // cfg.rollout.n, mask)
+                with timer("update"):
+                    metrics |= actor.update(batch, loss_fn, loss_agg=algo.loss_agg)[0]
+                if not ref:   # no reference: KL of the updated policy to the one that sampled, as the loss saw it
+                    metrics["kl/mean"] = metrics.get("actor/approx_kl", 0.0)
+                metrics |= rollout_metrics(batch)
+        metrics |= timer.pop()
+        if len(batch):
+            metrics["throughput/tokens_per_s"] = batch["response_mask"].sum().item() / metrics["time/step_s"]
         run.end_step(step, metrics)
     run.finish()
     scorer.close()

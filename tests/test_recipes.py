@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist import torchrun
+from dist import PROGRAMS, torchrun
 from hflow.default_model import build_default
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -99,6 +99,65 @@ def test_grpo_off_policy_old_log_probs_from_the_rollout_equal_recomputed(tiny_mo
     assert logged["rollout"][1]["actor/clipfrac"] == logged["recompute"][1]["actor/clipfrac"]
     for a, b in zip(logged["recompute"], logged["rollout"]):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6), a["step"]
+
+
+@pytest.mark.dist
+def test_grpo_dapo_dynamic_sampling_fills_the_batch_with_groups_that_differ(tiny_model, tmp_path):
+    """DAPO's flags together: groups whose samples all scored alike are dropped and more prompts
+    sampled (at most 3 rounds), the rest trained on with clip-higher and overlong shaping."""
+    out = tmp_path / "dapo"
+    torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 2, "--trainer.no-export",
+                                                    "--reward.fn", "dapo_rewards:length_parity",
+                                                    "--algo.dynamic-sampling", "--algo.max-sampling-rounds", 3,
+                                                    "--algo.overlong-buffer", 2, "--algo.clip-high", 0.28),
+             timeout=400, env={"PYTHONPATH": PROGRAMS}).check()
+    for row in rows(out)[1:]:
+        assert 0 <= row["dapo/extra_rounds"] <= 2
+        assert row["dapo/kept_groups"] == 4 or row["dapo/short_batch"] == 1.0 and row["dapo/extra_rounds"] == 2
+        assert row["dapo/kept_groups"] > 0 and "actor/loss" in row
+
+
+@pytest.mark.dist
+def test_grpo_dynamic_sampling_that_keeps_nothing_skips_the_update(tiny_model, tmp_path):
+    out = tmp_path / "dapo"
+    torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 1, "--trainer.no-export",
+                                                    "--reward.fn", "dapo_rewards:constant",
+                                                    "--algo.dynamic-sampling", "--algo.max-sampling-rounds", 2),
+             timeout=400, env={"PYTHONPATH": PROGRAMS}).check()
+    row = rows(out)[1]
+    assert (row["dapo/extra_rounds"], row["dapo/kept_groups"], row["dapo/short_batch"]) == (1.0, 0.0, 1.0)
+    assert "actor/loss" not in row and row["reward/mean"] == 1.0
+
+
+@pytest.mark.dist
+def test_grpo_reinforce_pp_with_kl_in_the_reward_and_the_gspo_loss_runs(tiny_model, tmp_path):
+    out = tmp_path / "rpp"
+    torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 2, "--trainer.no-export",
+                                                    "--algo.estimator", "reinforce_pp", "--algo.kl-coef", 0.01,
+                                                    "--algo.loss", "gspo"), timeout=400).check()
+    row = rows(out)[2]
+    assert "kl/mean" in row and "actor/kl_loss" not in row   # REINFORCE++ puts the KL in the reward
+    assert 0 <= row["actor/clipfrac"] <= 1
+
+
+def test_grpo_defaults_depend_on_the_model():
+    """The embedded default's toy values apply only to it; a --model.path gets the usual ones;
+    a flag the user sets wins either way."""
+    import importlib.util
+    import sys
+    import tyro
+    from hflow.config import resolve_defaults
+
+    spec = importlib.util.spec_from_file_location("grpo_recipe", RECIPES / "grpo.py")
+    grpo = sys.modules["grpo_recipe"] = importlib.util.module_from_spec(spec)   # dataclasses look it up
+    spec.loader.exec_module(grpo)
+    embedded = resolve_defaults(tyro.cli(grpo.Config, args=[]))
+    given = resolve_defaults(tyro.cli(grpo.Config, args=["--model.path", "some/model"]))
+    assert (embedded.actor.optim.lr, embedded.rollout.max_tokens) == (1e-4, 5)
+    assert (given.actor.optim.lr, given.rollout.max_tokens) == (1e-6, 512)
+    assert type(given.actor.optim.lr) is float and type(given.rollout.max_tokens) is int
+    flagged = resolve_defaults(tyro.cli(grpo.Config, args=["--model.path", "m", "--actor.optim.lr", "3e-5"]))
+    assert flagged.actor.optim.lr == 3e-5 and flagged.rollout.max_tokens == 512
 
 
 @pytest.mark.dist

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from hflow.batch import Batch
+
 SEQUENCE_KEYS = ("input_ids", "attention_mask")
 
 
@@ -111,6 +113,32 @@ def trim_padding(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[key] = value
     return out
+
+
+def pad_to_widths(tensors: dict[str, torch.Tensor], prompt_len: int, response_len: int) -> dict[str, torch.Tensor]:
+    """The inverse of `trim_padding`: prompts left-padded to `prompt_len`, responses (and every
+    response-aligned key) right-padded to `response_len`, with 0 (padding is masked out
+    everywhere, so its value never matters)."""
+    R = tensors["response_mask"].shape[1]
+    P = tensors["attention_mask"].shape[1] - R
+    if prompt_len < P or response_len < R:
+        raise ValueError(f"widths {P} / {R} do not fit in {prompt_len} / {response_len}")
+    out = {}
+    for key, value in tensors.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] in (P + R, R):
+            left = prompt_len - P if value.shape[1] == P + R else 0
+            out[key] = F.pad(value, (0, 0) * (value.ndim - 2) + (left, response_len - R))
+        else:
+            out[key] = value
+    return out
+
+
+def concat_rollouts(batches: Sequence[Batch]) -> Batch:
+    """Rollout Batches from several engine calls (each padded to its own longest prompt and
+    response) as one Batch, padded to the widest."""
+    P = max(prompt_length(b) for b in batches)
+    R = max(b["response_mask"].shape[1] for b in batches)
+    return Batch.concat([Batch({**b.objects, **pad_to_widths(b.tensors, P, R)}, b.meta) for b in batches])
 
 
 def _max(x: torch.Tensor) -> int:
