@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 recipes/remax.py --algo.kl-coef 0.001 --trainer.placement split
     torchrun --nproc-per-node 8 recipes/remax.py --model.path ~/models/Qwen2.5-0.5B-Instruct \
         --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
-        --data.chat --reward.fn gsm8k --rollout.max-tokens 512 --actor.optim.lr 1e-6 --algo.kl-coef 0.001
+        --data.chat --reward.fn gsm8k --algo.kl-coef 0.001
     torchrun ... recipes/remax.py --help                            # every flag, grouped
 
 Each step: for each of `data.batch-size` prompts, sample `rollout.n` responses and decode one
@@ -33,7 +33,7 @@ import tyro
 import hflow
 from hflow import algos
 from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
-                          TrainerConfig)
+                          TrainerConfig, by_model, resolve_defaults)
 from hflow.data import PromptSampler
 from hflow.evaluation import evaluate
 from hflow.metrics import Timer
@@ -53,8 +53,8 @@ class ReMaxConfig:
     """PPO clip below: ratio >= 1 - clip_low (inactive on-policy)."""
     clip_high: float = 0.2
     """PPO clip above: ratio <= 1 + clip_high (inactive on-policy)."""
-    loss_agg: str = "token-mean"
-    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How the loss averages over tokens and sequences (token-mean: the paper's and verl's)."""
     old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
     """Old log-probs (for the KL in the reward, or an off-policy update): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not). An on-policy update without a KL needs neither."""
 
@@ -65,8 +65,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(
-        optim=OptimConfig(lr=1e-4), max_tokens_per_micro_batch=8192))
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=5))
+        optim=OptimConfig(lr=by_model(1e-4, 1e-6)), max_tokens_per_micro_batch=8192))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=by_model(5, 512)))
     algo: ReMaxConfig = field(default_factory=ReMaxConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
         steps=150, eval_every=50, output_dir="outputs/remax"))
@@ -92,6 +92,7 @@ def remax_loss(log_probs, mb, entropy=None, *, algo: ReMaxConfig):
 
 
 def main(cluster: hflow.Cluster, cfg: Config):
+    cfg = resolve_defaults(cfg)
     algo = cfg.algo
     roles = ["actor", "ref"] if algo.kl_coef > 0 else ["actor"]
     plan = split([[r] for r in roles], cluster.world_size) if cfg.trainer.placement == "split" \
@@ -137,7 +138,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
             # sample, so the gradient stays unbiased, and no critic has to learn it
             batch["advantages"] = remax_advantages(scores, greedy_scores, mask, kl, algo.kl_coef)
             with timer("update"):
-                metrics |= actor.update(batch, loss_fn)[0]
+                metrics |= actor.update(batch, loss_fn, loss_agg=algo.loss_agg)[0]
         if not ref:   # no reference: KL of the updated policy to the one that sampled, as the loss saw it
             metrics["kl/mean"] = metrics.get("actor/approx_kl", 0.0)
         metrics["reward/greedy_mean"] = greedy_scores.mean().item()
