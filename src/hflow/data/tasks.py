@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hflow.data.code_task import CodeTask
 from hflow.data.config import DataError, flag
 
 
@@ -29,7 +30,7 @@ class ArithmeticTask:
         return rows
 
 
-TASKS = {"arithmetic": ArithmeticTask()}
+TASKS = {"arithmetic": ArithmeticTask(), "code": CodeTask()}
 
 
 def task_splits(name: str, seed: int = 0, eval_size: int = 500) -> tuple[list[dict], list[dict]]:
