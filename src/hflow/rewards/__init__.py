@@ -11,6 +11,8 @@ Built in (``get_reward_fn(name)``):
 - ``gsm8k`` / ``gsm8k_flexible``: the ``#### 42`` answer / the last number in the response.
 - ``math``: the last ``\\boxed{}``, normalised, compared as strings then with sympy.
 - ``countdown``: an ``<answer>`` equation using the given numbers once each, reaching the target.
+- ``code``: the fraction of the ground truth's tests (asserts) that the response's Python passes,
+  run in a sandbox (``hflow.rewards.code``).
 
 A user's own function is named ``"package.module:function"``. Scoring a batch runs it in worker
 processes with a per-item timeout (``score_batch``); a function that raises or hangs scores 0 and
@@ -36,6 +38,7 @@ _REGISTRY: dict[str, Union[str, ScoreFn]] = {
     "gsm8k_flexible": "hflow.rewards.gsm8k:gsm8k_flexible_score",
     "math": "hflow.rewards.math_answer:math_score",
     "countdown": "hflow.rewards.countdown:countdown_score",
+    "code": "hflow.rewards.code:code_score",
 }
 
 
