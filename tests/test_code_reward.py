@@ -1,6 +1,7 @@
 """The code reward's sandbox against hostile programs (each scores 0 within its limit and leaves no
 process, file or directory behind), its score on right, wrong and partly right code, batch scoring
 in the reward pool, and the built-in code task (its reference solutions pass its asserts)."""
+import glob
 import os
 import shutil
 import subprocess
@@ -213,6 +214,28 @@ def test_a_program_that_prints_result_lines_cannot_forge_them():
     run_hostile("for i in range(3):\n    print(f'test {i} 1')\n"
                 "try:\n    open('result', 'a').write('test 0 1\\n')\nexcept OSError:\n    pass\n",
                 ["assert False"] * 3)
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="found by its uid, which only root gives it")
+def test_a_program_whose_parent_dies_ends_at_its_own_alarm():
+    # The reward pool kills a worker that overruns --reward.timeout, before its wall-time kill.
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hflow-sandbox-*")))
+    parent = subprocess.Popen([sys.executable, "-c", "from hflow.rewards.code import SandboxLimits, run_tests\n"
+                               "run_tests('import time\\ntime.sleep(1000)', ['pass'], SandboxLimits(wall_seconds=3))"])
+    try:
+        deadline = time.monotonic() + 60
+        while not sandbox_processes():
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        parent.kill()
+        parent.wait()
+    orphaned = time.monotonic()
+    while sandbox_processes():
+        assert time.monotonic() - orphaned < 3 + 1 + SLACK, sandbox_processes()
+        time.sleep(0.05)
+    for path in set(glob.glob(os.path.join(tempfile.gettempdir(), "hflow-sandbox-*"))) - before:
+        shutil.rmtree(path)  # the killed parent's
 
 
 def test_preloading_is_decided_by_what_others_may_read():

@@ -13,6 +13,7 @@ Standard library only, and nothing imported after the uid drop but what the solu
 import json
 import os
 import resource
+import signal
 import stat
 import sys
 
@@ -129,6 +130,9 @@ def main() -> None:
             for name in PRELOAD:
                 __import__(name)
         set_limits(job["limits"])
+        # SIGALRM ends it should its parent die before the wall-time kill (e.g. the reward pool
+        # killing a worker past --reward.timeout): RLIMIT_CPU does not count sleeping.
+        signal.alarm(job["limits"]["alarm"])
         if job["uid"] is not None:
             drop_privileges(job["uid"])
         if job["audit_hook"]:

@@ -18,7 +18,9 @@ PYTHON* variables, no site-packages, no bytecode written: the standard library o
   (rlimits, set by the child before the solution runs), and wall time (the parent kills it);
 - a fresh temporary directory as its working directory, HOME and TMPDIR, removed afterwards;
 - an environment of PATH, LANG, HOME and TMPDIR only: none of the trainer's variables (tokens, keys);
-- its own session and process group, killed as a whole (SIGKILL) at the wall limit or once it returns;
+- its own session and process group, killed as a whole (SIGKILL) at the wall limit or once it
+  returns; should the parent die first (the pool kills a worker past --reward.timeout), its own
+  alarm (SIGALRM, a second after the wall limit) ends it;
 - when run as root, a uid of its own. RLIMIT_NPROC counts the processes of a real uid and is not
   enforced for root, so the child drops (setgroups, setgid, setuid) to one of 64 unprivileged uids
   from 1879048192 (a range systemd's UID notes leave unused), one per program running at the
@@ -175,7 +177,7 @@ def _rlimit_values(limits: SandboxLimits, uid: Optional[int]) -> dict:
     values["cpu"] = max(1, math.ceil(values.pop("cpu_seconds")))
     values["memory"] = values.pop("memory_bytes")
     values["file_size"] = values.pop("file_size_bytes")
-    del values["wall_seconds"]
+    values["alarm"] = math.ceil(values.pop("wall_seconds")) + 1  # the child's own backstop
     return values
 
 
@@ -249,7 +251,7 @@ def _sandbox_uid():
     if os.geteuid() != 0:
         yield None
         return
-    lock_dir = "/tmp/hflow-sandbox-uids"  # not $TMPDIR: every process on the machine must share the locks
+    lock_dir = "/tmp/hflow-code-sandbox-uids"  # not $TMPDIR: every process on the machine must share the locks
     os.makedirs(lock_dir, mode=0o700, exist_ok=True)
     info = os.lstat(lock_dir)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
