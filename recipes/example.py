@@ -22,7 +22,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import tyro
 
 import hflow
 from hflow import Batch
@@ -123,4 +122,4 @@ def main(cluster: hflow.Cluster, cfg: Config):
 
 
 if __name__ == "__main__":
-    hflow.launch(main, tyro.cli(Config))
+    hflow.launch(main, Config)   # rank 0 parses and checks the flags

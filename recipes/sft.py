@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import tyro
 
 import hflow
 from hflow.config import ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig
@@ -77,4 +76,4 @@ def main(cluster: hflow.Cluster, cfg: Config):
 
 
 if __name__ == "__main__":
-    hflow.launch(main, tyro.cli(Config))
+    hflow.launch(main, Config)   # rank 0 parses and checks the flags

@@ -29,6 +29,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import itertools
+import json
 import os
 import socket
 import sys
@@ -39,11 +40,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import tyro
 
 from . import transport
 from .batch import Batch
 from .dispatch import RankGrid, gather, mode_of, scatter
 from .parallel import pick_device, set_device
+from .validation import ConfigError, check_config, prepare_output_dir
 from .server import Call, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
 
 
@@ -327,7 +330,7 @@ class Cluster:
         self._issue("shutdown", stop, lambda parts: None).result()
         self._closing.set()
 
-    def _abort(self, reason: str) -> None:
+    def _abort(self, reason: str, code: int = 1) -> None:
         """Failed end: tell every rank to exit non-zero, then exit non-zero. Never returns
         (a second caller waits here while the first one ends the process)."""
         self._aborting.acquire()
@@ -345,7 +348,7 @@ class Cluster:
                 ack.wait()
             except Exception:
                 pass   # that rank is already gone
-        hard_exit(1)
+        hard_exit(code)
 
 
 def _private_copy(x):
@@ -368,7 +371,12 @@ def _private_copy(x):
 def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
     """Run `main(cluster, cfg)` on rank 0 with every other rank serving it. Call it on every
     rank (under torchrun; without it, runs as a single rank). Returns main's result on rank 0
-    and None on the others; any failure ends every rank with exit status 1."""
+    and None on the others; any failure ends every rank with exit status 1.
+
+    `cfg` may be the recipe's Config class: rank 0 then parses the command line with tyro and
+    checks every flag (hflow.validation) before anything loads, and a bad flag ends the run
+    with one message on rank 0 and status 2 (`--help` prints once and ends with 0); the other
+    ranks leave quietly."""
     _default_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _loopback_if_single_node(world_size)
@@ -383,6 +391,7 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
         backend = "gloo"
     set_device(device)
     dist.init_process_group(backend)
+    cfg = _parse_and_check(cfg, rank)
     peers = [None] * world_size   # (host, pid) of every rank: a frozen rank is ended by its finder
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
     server = Server(rank, device)
@@ -402,12 +411,65 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
                 raise
             result = None
         cluster._close()
+    except ConfigError as e:   # a flag found wrong in main (before any work): one message, no traceback
+        _print_config_error(e)
+        try:
+            cluster._close()       # the other ranks leave quietly, with status 0
+            _leave()
+        except BaseException:
+            cluster._abort("a flag is wrong (see rank 0's message)", code=2)
+        hard_exit(2)
     except BaseException as e:   # KeyboardInterrupt too: every rank must go
         traceback.print_exc()
         first_line = (str(e).splitlines() or [""])[0].split("; its traceback")[0]
         cluster._abort(f"the controller failed: {type(e).__name__}: {first_line}")
     _leave()
     return result
+
+
+def _parse_and_check(cfg, rank: int):
+    """The Config class parsed from the command line and checked, on rank 0 only; the verdict
+    is broadcast, so that every rank ends together on a bad flag or --help."""
+    if cfg is None or not (isinstance(cfg, type) or dataclasses.is_dataclass(cfg)):
+        return cfg
+    verdict = [None]   # None: go on; else the exit status
+    if rank == 0:
+        try:
+            if isinstance(cfg, type):
+                cfg = tyro.cli(cfg)
+            check_config(cfg)
+            if hasattr(cfg, "trainer"):
+                prepare_output_dir(cfg.trainer)
+        except SystemExit as e:    # tyro printed the usage error or the help
+            verdict = [e.code if isinstance(e.code, int) else 2]
+            if verdict[0] != 0:
+                _record_for_torchrun("bad command-line flags (tyro's message above)")
+        except ConfigError as e:
+            _print_config_error(e)
+            verdict = [2]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(verdict[0] if rank == 0 else 0)
+    return cfg
+
+
+def _print_config_error(e: ConfigError) -> None:
+    lines = str(e).splitlines()
+    log("\n".join(f"error: {line}" for line in lines))
+    _record_for_torchrun(lines[0] if len(lines) == 1 else f"{len(lines)} bad flags, first: {lines[0]}")
+
+
+def _record_for_torchrun(message: str) -> None:
+    """torchrun prints a failed rank's error file in its summary ('traceback : ...'): put the
+    message there instead of 'N/A' (TORCHELASTIC_ERROR_FILE is set by torchrun's agent)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
 
 
 def _leave() -> None:

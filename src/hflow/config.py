@@ -60,6 +60,8 @@ class TrainerConfig:
     """Checkpoints kept on disk."""
     resume: bool = False
     """Continue from the latest checkpoint in output_dir/checkpoints."""
+    overwrite: bool = False
+    """Replace an earlier run in output_dir (its metrics, checkpoints and export); without it a used output_dir is refused."""
     export: bool = True
     """Export the final actor as a Hugging Face directory (output_dir/actor_hf)."""
     placement: Literal["colocate", "split"] = "colocate"

@@ -33,6 +33,8 @@ class Run:
             self.start_step = extra["step"]
             for name, obj in self.state.items():
                 obj.load_state_dict(extra[name])
+            print(f"hflow: resumed from step {self.start_step} ({self.root / f'step_{self.start_step}'}): "
+                  f"steps {self.start_step + 1}..{trainer.steps} to go", flush=True)
         self.logger = MetricsLogger(trainer.output_dir, trainer.logging, trainer.steps,
                                     resume_step=self.start_step if trainer.resume else None)
 

@@ -1,0 +1,193 @@
+"""Every flag that can be wrong, checked on rank 0 before anything loads, each problem named in
+one line with its fix.
+
+    check_config(cfg)        # raises ConfigError listing every bad flag
+    prepare_output_dir(cfg.trainer)   # the run's directory: refuse an earlier run, or resume it
+
+`hflow.launch` calls both (when it is given the Config class, it parses the flags itself, on
+rank 0 only), so a recipe gets them for free; checks that need the placement (a batch that
+must divide by the actor's ranks) stay in the recipe and raise ConfigError too.
+
+The rules go by field name, wherever the field sits in the config tree (`--actor.optim.lr` and
+`--critic.optim.lr` are both learning rates), so a recipe's own algorithm config is checked by
+the same table as long as it reuses the usual names (clip_low, gamma, kl_coef, ...).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+
+class ConfigError(ValueError):
+    """A flag's value cannot work; the message says which flag and what to do. `hflow.launch`
+    prints it as one line per problem (no traceback) and exits with status 2."""
+
+
+def _at_least(low: float, what: str) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= low else f"must be >= {low:g} ({what})"
+
+
+def _positive(what: str) -> Callable[[Any], str | None]:
+    return lambda v: None if v > 0 else f"must be > 0 ({what})"
+
+
+def _within(low: float, high: float, what: str, open_low=False, open_high=False) -> Callable[[Any], str | None]:
+    def check(v):
+        ok = (v > low if open_low else v >= low) and (v < high if open_high else v <= high)
+        return None if ok else f"must be in {'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'} ({what})"
+    return check
+
+
+# field name -> check of its value (None: fine). Names not listed are not checked.
+RULES: dict[str, Callable[[Any], str | None]] = {
+    # counts
+    "steps": _at_least(1, "RL steps"),
+    "n": _at_least(1, "samples per prompt"),
+    "batch_size": _at_least(1, "prompts per step"),
+    "epochs": _at_least(1, "passes over each batch"),
+    "micro_batch_size": _at_least(1, "sequences per forward on one rank"),
+    "keep_last": _at_least(1, "checkpoints kept"),
+    "tp_size": _at_least(1, "tensor-parallel size of the engine"),
+    "max_num_seqs": _at_least(1, "sequences the engine runs at once"),
+    "block_size": _at_least(1, "tokens per KV-cache block"),
+    "num_workers": _at_least(1, "reward worker processes"),
+    "max_tokens": _at_least(1, "new tokens per response"),
+    "max_prompt_length": _at_least(1, "prompt tokens"),
+    "max_sampling_rounds": _at_least(1, "sampling rounds of dynamic sampling"),
+    "mini_batch_size": _at_least(0, "prompts per optimizer step; 0: the whole batch"),
+    "max_tokens_per_micro_batch": _at_least(0, "token budget of a micro-batch; 0: off"),
+    "eval_every": _at_least(0, "steps between evaluations; 0: first and last only"),
+    "save_every": _at_least(0, "steps between checkpoints; 0: never"),
+    "eval_size": _at_least(0, "held-out prompts per evaluation"),
+    "warmup_steps": _at_least(0, "learning-rate warm-up steps"),
+    "total_steps": _at_least(0, "schedule length; 0: the run's steps"),
+    "kv_cache_bytes": _at_least(0, "KV-cache budget; 0: automatic"),
+    "max_model_len": _at_least(0, "longest sequence; 0: the model's"),
+    "critic_warmup": _at_least(0, "steps that train only the critic"),
+    "overlong_buffer": _at_least(0, "tokens of the overlong penalty; 0: off"),
+    # learning and sampling
+    "lr": _positive("a learning rate"),
+    "eps": _positive("AdamW epsilon"),
+    "weight_decay": _at_least(0, "AdamW weight decay"),
+    "min_lr_ratio": _within(0, 1, "fraction of the peak learning rate"),
+    "grad_clip": _positive("max gradient norm"),
+    "betas": lambda v: None if all(0 <= b < 1 for b in v) else "must each be in [0, 1) (AdamW betas)",
+    "temperature": _at_least(0, "sampling temperature; 0: greedy"),
+    "top_p": _within(0, 1, "nucleus sampling; 1: off", open_low=True),
+    "top_k": _at_least(0, "top-k sampling; 0: off"),
+    # the algorithm
+    "clip_low": _within(0, 1, "PPO clip below: ratio >= 1 - clip_low", open_low=True, open_high=True),
+    "clip_high": _positive("PPO clip above: ratio <= 1 + clip_high"),
+    "dual_clip": lambda v: None if v is None or v > 1 else "must be > 1 (dual-clip constant), or unset",
+    "value_clip": _positive("clip of the value predictions"),
+    "gamma": _within(0, 1, "discount"),
+    "lam": _within(0, 1, "GAE lambda"),
+    "kl_coef": _at_least(0, "weight of the KL; 0: no reference model"),
+    "kl_target": _positive("target KL per token"),
+    "kl_horizon": _positive("horizon of the adaptive KL controller"),
+    "entropy_coef": _at_least(0, "weight of the entropy bonus"),
+    "timeout": _positive("seconds per reward call"),
+    "log_every": _at_least(1, "steps between log lines"),
+    "max_length": _at_least(1, "tokens of a sequence"),
+    "stop_at": _within(0, 1, "held-out accuracy that ends training"),
+    "sigma": _positive("a standard deviation"),
+}
+
+# fields that name files or directories that must exist ("" and "default" mean the built-in one)
+PATHS = ("path", "train_files", "val_files")
+
+
+def flag(path: tuple[str, ...]) -> str:
+    return "--" + ".".join(part.replace("_", "-") for part in path)
+
+
+def fields_of(cfg, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """(path, value) of every leaf field of a config dataclass tree."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from fields_of(value, path + (f.name,))
+        else:
+            yield path + (f.name,), value
+
+
+def problems(cfg) -> list[str]:
+    """One line per bad flag: `--rollout.n 0: must be >= 1 (samples per prompt)`."""
+    found = []
+    for path, value in fields_of(cfg):
+        name = path[-1]
+        rule = RULES.get(name)
+        # None means "unset: the recipe picks", never wrong
+        if rule is not None and isinstance(value, (int, float, tuple)) and not isinstance(value, bool):
+            if isinstance(value, float) and not math.isfinite(value):
+                found.append(f"{flag(path)} {value}: must be a finite number")
+                continue
+            message = rule(value)
+            if message:
+                found.append(f"{flag(path)} {value}: {message}")
+        if name in PATHS:
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if item and item != "default" and not Path(item).expanduser().exists():
+                    found.append(f"{flag(path)} {item}: no such file or directory")
+    return found
+
+
+def check_config(cfg) -> None:
+    """Raise ConfigError naming every flag whose value cannot work (and, when the config has a
+    trainer, an output directory that would mix two runs)."""
+    found = problems(cfg)
+    trainer = getattr(cfg, "trainer", None)
+    if trainer is not None and hasattr(trainer, "output_dir"):
+        found += output_dir_problems(trainer)
+    if found:
+        raise ConfigError("\n".join(found))
+
+
+# ---------------------------------------------------------------- the run's directory
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "actor_hf")
+_STEP_DIR = re.compile(r"^step_\d+$")
+
+
+def earlier_run(output_dir) -> list[str]:
+    """What an earlier run left in `output_dir` (metrics, checkpoints, an export)."""
+    out = Path(output_dir)
+    return [name for name in RUN_FILES if (out / name).exists()]
+
+
+def complete_checkpoints(output_dir) -> list[Path]:
+    root = Path(output_dir) / "checkpoints"
+    return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name)) if root.is_dir() else []
+
+
+def output_dir_problems(trainer) -> list[str]:
+    out, earlier = trainer.output_dir, earlier_run(trainer.output_dir)
+    overwrite = getattr(trainer, "overwrite", False)
+    if trainer.resume and overwrite:
+        return ["--trainer.resume and --trainer.overwrite: choose one (continue the run there, or replace it)"]
+    if trainer.resume and earlier and not complete_checkpoints(out):
+        return [f"--trainer.resume: {out} holds a run ({', '.join(earlier)}) but no complete checkpoint "
+                f"to continue from (it ran without --trainer.save-every?); start over with "
+                f"--trainer.overwrite, or choose another --trainer.output-dir"]
+    if earlier and not trainer.resume and not overwrite:
+        return [f"--trainer.output-dir {out} holds an earlier run ({', '.join(earlier)}): continue it with "
+                f"--trainer.resume, replace it with --trainer.overwrite, or choose another --trainer.output-dir"]
+    return []
+
+
+def prepare_output_dir(trainer, log=print) -> None:
+    """After check_config: clear an earlier run on --trainer.overwrite, and say what a
+    --trainer.resume will do (the Run object says which step it resumed)."""
+    out = Path(trainer.output_dir)
+    earlier = earlier_run(out)
+    if getattr(trainer, "overwrite", False) and earlier:
+        for name in earlier:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        log(f"hflow: --trainer.overwrite: removed the earlier run's {', '.join(earlier)} in {out}")
+    if trainer.resume and not complete_checkpoints(out):
+        log(f"hflow: --trainer.resume: nothing to resume in {out} (no checkpoint yet); starting at step 0")
