@@ -46,7 +46,7 @@ from . import transport
 from .batch import Batch
 from .dispatch import RankGrid, gather, mode_of, scatter
 from .parallel import pick_device, set_device
-from .validation import ConfigError, check_config, prepare_output_dir
+from .validation import ConfigError, UserError, check_config, prepare_output_dir
 from .server import Call, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
 
 
@@ -411,14 +411,14 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
                 raise
             result = None
         cluster._close()
-    except ConfigError as e:   # a flag found wrong in main (before any work): one message, no traceback
+    except UserError as e:   # e.g. a flag found wrong in main: the message is the story, no traceback
         _print_config_error(e)
         try:
             cluster._close()       # the other ranks leave quietly, with status 0
             _leave()
         except BaseException:
-            cluster._abort("a flag is wrong (see rank 0's message)", code=2)
-        hard_exit(2)
+            cluster._abort("stopped (see rank 0's message)", code=e.exit_code)
+        hard_exit(e.exit_code)
     except BaseException as e:   # KeyboardInterrupt too: every rank must go
         traceback.print_exc()
         first_line = (str(e).splitlines() or [""])[0].split("; its traceback")[0]
@@ -456,7 +456,7 @@ def _parse_and_check(cfg, rank: int):
     return cfg
 
 
-def _print_config_error(e: ConfigError) -> None:
+def _print_config_error(e: UserError) -> None:
     lines = str(e).splitlines()
     log("\n".join(f"error: {line}" for line in lines))
     _record_for_torchrun(lines[0] if len(lines) == 1 else f"{len(lines)} bad flags, first: {lines[0]}")

@@ -60,6 +60,8 @@ class TrainerConfig:
     """Checkpoints kept on disk."""
     resume: bool = False
     """Continue from the latest checkpoint in output_dir/checkpoints."""
+    max_skipped_steps: int = 10
+    """Stop the run once more optimizer steps than this were skipped for a non-finite loss or gradient."""
     overwrite: bool = False
     """Replace an earlier run in output_dir (its metrics, checkpoints and export); without it a used output_dir is refused."""
     export: bool = True

@@ -20,6 +20,11 @@ from typing import Callable, Iterator
 
 from hflow import checkpoint
 from hflow.metrics import MetricsLogger
+from hflow.validation import UserError
+
+
+class RunStopped(UserError):
+    """The run cannot usefully go on (e.g. too many skipped optimizer steps)."""
 
 
 class Run:
@@ -35,6 +40,7 @@ class Run:
                 obj.load_state_dict(extra[name])
             print(f"hflow: resumed from step {self.start_step} ({self.root / f'step_{self.start_step}'}): "
                   f"steps {self.start_step + 1}..{trainer.steps} to go", flush=True)
+        self.skipped = 0
         self.logger = MetricsLogger(trainer.output_dir, trainer.logging, trainer.steps,
                                     resume_step=self.start_step if trainer.resume else None)
 
@@ -50,6 +56,13 @@ class Run:
         if self.evaluate and (self.cfg.eval_every and step % self.cfg.eval_every == 0 or step == self.cfg.steps):
             metrics |= self.evaluate()
         self.logger.log(step, metrics)
+        self.skipped += int(sum(v for k, v in metrics.items() if k.endswith("/skipped_steps")))
+        if self.skipped > self.cfg.max_skipped_steps:
+            self.logger.close()
+            raise RunStopped(f"{self.skipped} optimizer steps skipped so far (non-finite loss or gradient "
+                             f"norm; see <role>/skipped_steps), more than --trainer.max-skipped-steps "
+                             f"{self.cfg.max_skipped_steps}: lower the learning rate, look for inf/NaN in "
+                             f"the rewards or data, or raise the limit")
         if self.cfg.save_every and step % self.cfg.save_every == 0:
             extra = {name: obj.state_dict() for name, obj in self.state.items()}
             checkpoint.save_run(self.root, step, self.trained, extra, self.cfg.keep_last)

@@ -22,9 +22,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 
-class ConfigError(ValueError):
-    """A flag's value cannot work; the message says which flag and what to do. `hflow.launch`
-    prints it as one line per problem (no traceback) and exits with status 2."""
+class UserError(Exception):
+    """An error whose message is the whole story (what is wrong, what to do): `hflow.launch`
+    prints it without a traceback, one `error:` line per line, and exits with `exit_code`."""
+    exit_code = 1
+
+
+class ConfigError(UserError, ValueError):
+    """A flag's value cannot work; the message says which flag and what to do (status 2)."""
+    exit_code = 2
 
 
 def _at_least(low: float, what: str) -> Callable[[Any], str | None]:
@@ -51,6 +57,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "epochs": _at_least(1, "passes over each batch"),
     "micro_batch_size": _at_least(1, "sequences per forward on one rank"),
     "keep_last": _at_least(1, "checkpoints kept"),
+    "max_skipped_steps": _at_least(0, "optimizer steps skipped before the run stops"),
     "tp_size": _at_least(1, "tensor-parallel size of the engine"),
     "max_num_seqs": _at_least(1, "sequences the engine runs at once"),
     "block_size": _at_least(1, "tokens per KV-cache block"),
