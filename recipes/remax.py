@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import tyro
 
 import hflow
 from hflow import algos
@@ -150,4 +149,4 @@ def main(cluster: hflow.Cluster, cfg: Config):
 
 
 if __name__ == "__main__":
-    hflow.launch(main, tyro.cli(Config))
+    hflow.launch(main, Config)   # rank 0 parses and checks the flags
