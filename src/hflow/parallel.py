@@ -97,14 +97,14 @@ def make_mesh(rank_array, dim_names) -> DeviceMesh:
     for d in range(array.dim()):   # every member creates its groups in the same dim order
         index = list(coordinate)
         index[d] = slice(None)
-        groups.append(_local_group(array[tuple(index)].tolist()))
+        groups.append(local_group(array[tuple(index)].tolist()))
     mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0],
                                  current_device().type, mesh=array, mesh_dim_names=dim_names)
     _local_meshes[key] = mesh
     return mesh
 
 
-def _local_group(members: list[int]):
+def local_group(members: list[int]):
     """new_group(members) that only the members call.
 
     torch names such a group by hashing its ranks with the count of groups this process

@@ -30,11 +30,12 @@ from __future__ import annotations
 from typing import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from hflow.parallel import device_of
+from hflow.parallel import device_of, local_group
 
 COLUMN_PARALLEL = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
@@ -62,8 +63,17 @@ def generation_mesh(train_mesh: DeviceMesh, tp_size: int,
                     make_mesh: Callable[[list[list[int]], tuple[str, str]], DeviceMesh] | None = None) -> DeviceMesh:
     """Build the (tp, dp) mesh over the training mesh's ranks. Creating process groups is
     collective: `make_mesh` (e.g. hflow.parallel.make_mesh) must be called on the right ranks;
-    the default builds the DeviceMesh directly, which every rank of the world must call."""
+    the default builds the DeviceMesh directly, which every rank of the world must call.
+
+    At tp = 1 the dp dim is the training mesh's own group: a second group over the same ranks
+    would be a second NCCL communicator (memory, start-up) for nothing."""
     grid = generation_rank_grid(train_mesh.mesh.flatten().tolist(), tp_size)
+    if tp_size == 1 and train_mesh.ndim == 1:
+        me = dist.get_rank()
+        singleton = local_group([me]) if make_mesh is not None else \
+            [dist.new_group([r]) for r in range(dist.get_world_size())][me]
+        return DeviceMesh.from_group([singleton, train_mesh.get_group()], train_mesh.device_type,
+                                     mesh=torch.tensor(grid), mesh_dim_names=("tp", "dp"))
     if make_mesh is not None:
         return make_mesh(grid, ("tp", "dp"))
     return DeviceMesh(train_mesh.device_type, torch.tensor(grid), mesh_dim_names=("tp", "dp"))

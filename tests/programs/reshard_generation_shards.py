@@ -21,6 +21,8 @@ full = {n: p.full_tensor() for n, p in params.items()}
 
 for tp in tps:
     gen_mesh = generation_mesh(mesh, tp)
+    if tp == 1:   # no second communicator over the training ranks
+        assert gen_mesh.get_group("dp").group_name == mesh.get_group().group_name
     t, dp = gen_mesh.get_local_rank(0), world // tp
     # 1. every generation shard is the right slice of the full (updated) tensor
     shards = {}
