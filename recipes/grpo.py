@@ -71,7 +71,8 @@ from hflow.workers.base import trainable_prompts
 from hflow.workers.layout import concat_rollouts
 
 Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+AggMode = Literal[algos.AGG_MODES]
+KLKind = Literal[algos.KL_KINDS]
 # (clip_low, clip_high, loss_agg) of each loss when the flags leave them unset
 LOSS_DEFAULTS = {"ppo": (0.2, 0.2, "token-mean"), "gspo": (3e-4, 4e-4, "seq-mean-token-mean")}
 KL_IN_REWARD = {"grpo": False, "drgrpo": False, "rloo": True, "reinforce_pp": True, "reinforce_pp_baseline": True}
@@ -93,7 +94,7 @@ class GRPOConfig:
     """beta: weight of the KL to the reference policy (0: no reference model at all)."""
     kl_in_reward: bool | None = None
     """Put the KL in the reward (k1 per token) instead of the loss (None: in the reward for rloo, reinforce_pp, reinforce_pp_baseline; in the loss for grpo, drgrpo)."""
-    kl_kind: str = "low_var_kl"
+    kl_kind: KLKind = "low_var_kl"
     """KL estimator of the KL loss: k1, k2, k3, abs, low_var_kl (k3, clamped)."""
     gamma: float = 1.0
     """Discount of reinforce_pp's return-to-go."""
