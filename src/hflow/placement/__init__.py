@@ -9,7 +9,9 @@ A plan is a dict role -> list of global ranks, passed to `cluster.spawn(..., ran
 Colocated roles take turns on the same ranks (each call runs in controller order); split sets
 run concurrently on disjoint ranks. The automatic mapper (the paper's Algorithm 1: a search over
 groupings, sizes and parallel layouts with a simulator) is `hflow.placement.planner`;
-`python -m hflow.placement plan ...` runs it.
+`python -m hflow.placement plan ...` runs it. A recipe turns its --trainer.placement flag into a
+plan with `resolve` (colocate, split, standalone, auto, or a SPEC like actor,ref:0-1;critic:2-3;
+see hflow.placement.spec), `auto` pricing hflow's own layouts (hflow.placement.fsdp).
 """
 from __future__ import annotations
 
@@ -58,3 +60,7 @@ def split(role_sets: Sequence[Sequence[str] | str], world_size: int,
             plan[role] = list(range(start, start + size))
         start += size
     return plan
+
+
+from hflow.placement.spec import resolve  # noqa: E402  (they use Placement, colocate and split above)
+from hflow.placement.auto import Job, job_of  # noqa: E402

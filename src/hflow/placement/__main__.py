@@ -4,11 +4,15 @@
       --actor 13B --critic 13B --reference 13B --reward 13B --algo ppo --batch 1024 \\
       --prompt-len 1024 --response-len 1024
     python -m hflow.placement plan --gpu cpu --gpus 4 --actor path/to/config.json --algo grpo ...
+    python -m hflow.placement plan --layouts hflow ...       # as --trainer.placement auto prices a run
 
 Prints the chosen placement (its sets, their devices, each model's (p, t, d) for training and
 for generation), its seconds per stage and per step, and the runners-up: colocate, split,
 standalone and the best of the other partitions. Roles the algorithm has but the command
 doesn't size take the actor's size; `--reference none` (or reward, for GRPO/PPO) drops one.
+`--layouts megatron` (default) searches the paper's (p, t, d); `hflow` the layouts hflow runs:
+FSDP2 over each set's ranks and the engine at --generation-tp (hflow.placement.fsdp). On
+`--gpu cpu` the ranks are planned with one thread each, as torchrun starts them.
 """
 from __future__ import annotations
 
@@ -19,7 +23,10 @@ import time
 
 from hflow.placement.hardware import PROFILES, GiB, cpu_profile
 from hflow.placement.models import ALGORITHMS, Workload, dataflow, model_shape
+from hflow.placement.auto import kind as placement_kind
+from hflow.placement.fsdp import FSDPPlanner
 from hflow.placement.planner import Plan, Planner
+from hflow.placement.spec import ranks_text
 
 ROLE_FLAGS = {"actor": "actor", "critic": "critic", "ref": "reference", "reward": "reward",
               "cost": "cost", "cost_critic": "cost-critic"}
@@ -47,13 +54,18 @@ def parse_args(argv):
     plan.add_argument("--response-len", type=int, default=1024)
     plan.add_argument("--updates", type=int, default=8, help="optimizer steps a training stage (mini-batches x epochs)")
     plan.add_argument("--top", type=int, default=5, help="other partitions listed besides colocate/split/standalone")
+    plan.add_argument("--layouts", default="megatron", choices=["megatron", "hflow"],
+                      help="the paper's (p, t, d), or hflow's FSDP2 + engine (what --trainer.placement auto prices)")
+    plan.add_argument("--generation-tp", type=int, default=1, help="--layouts hflow: the engine's tensor-parallel size")
+    plan.add_argument("--micro-batch-tokens", type=int, default=4096,
+                      help="--layouts hflow: tokens of one micro-batch on a rank (--actor.max-tokens-per-micro-batch)")
     return parser.parse_args(argv)
 
 
 def hardware(args):
     if args.gpu == "cpu":
         hw = cpu_profile(args.gpus_per_node or args.gpus,
-                         memory=args.gpu_memory * GiB if args.gpu_memory else None)
+                         memory=args.gpu_memory * GiB if args.gpu_memory else None, threads_per_rank=1)
     else:
         hw = PROFILES[args.gpu]
         per_node = args.gpus_per_node or hw.devices_per_node
@@ -64,18 +76,8 @@ def hardware(args):
 
 
 def kind(plan: Plan, roles: list[str]) -> str:
-    sets = [set(s.roles) for s in plan.sets]
-    if len(sets) == 1:
-        return "colocate"
-    if len(sets) == len(roles):
-        return "standalone"
-    if len(sets) == 2 and {"actor", "ref"} in sets:
-        return "split"
-    return ""
-
-
-def ranks_text(ranks: list[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+    """colocate, split (actor + reference | the others, as the recipes split), standalone or ''."""
+    return placement_kind(plan, [["actor", "ref"], [r for r in roles if r not in ("actor", "ref")]])
 
 
 def par_text(par) -> str:
@@ -115,9 +117,11 @@ def main(argv=None) -> int:
                   else model_shape(getattr(args, role) or args.actor)
                   for role in ROLE_FLAGS if role in algo["roles"]}
         flow = dataflow(args.algo, shapes)
-        work = Workload(args.batch, args.prompt_len, args.response_len, args.samples, args.updates)
+        work = Workload(args.batch, args.prompt_len, args.response_len, args.samples, args.updates,
+                        args.micro_batch_tokens if args.layouts == "hflow" else 0)
         hw = hardware(args)
-        planner = Planner(flow, work, hw, args.gpus)
+        planner = FSDPPlanner(flow, work, hw, args.gpus, args.generation_tp) if args.layouts == "hflow" \
+            else Planner(flow, work, hw, args.gpus)
         start = time.perf_counter()
         plans = planner.plan()
         seconds = time.perf_counter() - start

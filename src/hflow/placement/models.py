@@ -123,12 +123,14 @@ class Dataflow:
 class Workload:
     """One RL step: `batch` prompts, `samples` responses each, every sequence `prompt_len` +
     `response_len` tokens (the paper forces the response length), `updates` optimizer steps
-    (mini-batches x epochs) per training stage."""
+    (mini-batches x epochs) per training stage. hflow's layouts (hflow.placement.fsdp) cut a
+    rank's share of a mini-batch into micro-batches of `micro_batch_tokens` (0: one)."""
     batch: int
     prompt_len: int
     response_len: int
     samples: int = 1
     updates: int = 8
+    micro_batch_tokens: int = 0
 
     @property
     def sequences(self) -> int:
@@ -172,17 +174,24 @@ ALGORITHMS = {
 }
 
 
-def dataflow(algo: str, shapes: dict[str, ModelShape | None]) -> Dataflow:
-    """The algorithm's models (roles given a shape; None drops an optional role) and stages."""
+def dataflow(algo: str, shapes: dict[str, ModelShape | None], *, require: bool = True,
+             actor_log_probs: bool = True) -> Dataflow:
+    """The algorithm's models (roles given a shape; None drops an optional role) and stages.
+    `require=False` lets any role go (a recipe scores with a rule instead of a reward model);
+    `actor_log_probs=False` drops the actor's recomputation of its log-probs (hflow takes the
+    engine's when they are exact, in fp32)."""
     if algo not in ALGORITHMS:
         raise ValueError(f"--algo {algo!r}: choose one of {', '.join(ALGORITHMS)}")
     spec = ALGORITHMS[algo]
     unknown = set(shapes) - set(spec["roles"])
     if unknown:
         raise ValueError(f"{algo} has no role {', '.join(sorted(unknown))} (its roles: {', '.join(spec['roles'])})")
-    for role in spec["required"]:
+    for role in spec["required"] if require else ["actor"]:
         if shapes.get(role) is None:
             raise ValueError(f"{algo} needs a {role} model: give --{role.replace('_', '-')} SIZE")
     models = {role: Model(role, shapes[role], *ROLES[role]) for role in spec["roles"] if shapes.get(role)}
-    stages = tuple(Stage(name, tuple(c for c in calls if c.role in models)) for name, calls in spec["stages"])
+    def kept(call: Call) -> bool:
+        return call.role in models and (actor_log_probs or (call.role, call.kind) != ("actor", "infer"))
+
+    stages = tuple(Stage(name, tuple(filter(kept, calls))) for name, calls in spec["stages"])
     return Dataflow(algo, models, stages)

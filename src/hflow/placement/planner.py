@@ -18,7 +18,10 @@
    combination with the least busy time among those that fit, from each model's
    memory/time Pareto front. Cached per (model, devices) and per (set, devices).
 5. Cost of an allocation = sum over stages of the max over sets of the sum within a set:
-   colocated models take turns, sets run a stage's calls concurrently.
+   colocated models take turns, sets run a stage's calls concurrently. On a CPU the ranks of
+   concurrent sets share the cores (`shared_stage_time`).
+
+`FSDPPlanner` (hflow.placement.fsdp) runs the same search over the layouts hflow itself runs.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 
 from hflow.placement import Placement
 from hflow.placement.hardware import Hardware
-from hflow.placement.models import Dataflow, Workload
+from hflow.placement.models import Dataflow, Model, Workload
 from hflow.placement.simulator import (
     Parallel, activation_bytes, generate_time, generation_extra_bytes, infer_time, kv_bytes_per_token,
     reshard_time, state_bytes, train_time)
@@ -99,9 +102,27 @@ class Plan:
         return Placement({role: ranks for s, ranks in zip(self.sets, self.ranks) for role in s.roles})
 
 
-def step_cost(sets: list[SetPlan]) -> tuple[float, ...]:
-    """Per stage, the max over sets (concurrent) of the set's own sum (time-shared)."""
-    return tuple(max(times) for times in zip(*(s.stage_times for s in sets)))
+def step_cost(sets: list[SetPlan], cores: int = 0, background: float = 0.0) -> tuple[float, ...]:
+    """Per stage, the max over sets (concurrent) of the set's own sum (time-shared). With
+    `cores` (ranks sharing a CPU), the stage's busy ranks share them: `shared_stage_time`."""
+    stages = zip(*(s.stage_times for s in sets))
+    if not cores:
+        return tuple(max(times) for times in stages)
+    return tuple(shared_stage_time([(s.devices, t) for s, t in zip(sets, times)], cores, background)
+                 for times in stages)
+
+
+def shared_stage_time(sets: list[tuple[int, float]], cores: float, background: float = 0.0) -> float:
+    """Processor sharing: while k ranks are busy (and `background` processes of others), each
+    runs at min(1, cores / (k + background)) of its full speed. `sets`: (ranks, seconds each
+    rank needs at full speed); a set's ranks finish together, the shortest set first:
+    T = sum over sets in order of (t_i - t_(i-1)) / rate(ranks still busy)."""
+    clock, done = 0.0, 0.0
+    busy = sum(n for n, t in sets if t > 0)
+    for t, n in sorted((t, n) for n, t in sets if t > 0):
+        clock += (t - done) / min(1.0, cores / (busy + background))
+        done, busy = t, busy - n
+    return clock
 
 
 def assign_ranks(sizes: list[int]) -> list[list[int]]:
@@ -149,6 +170,7 @@ class Planner:
             raise ValueError(f"--updates {work.updates} must divide the {work.sequences} sequences of a step")
         self.flow, self.work, self.hw, self.devices = flow, work, hw, devices
         self.sizes = device_counts(devices, per_node)
+        self.shared_cores = hw.cores * math.ceil(devices / per_node)
         self.stages = len(flow.stages)
         self._options: dict = {}
         self._sets: dict = {}
@@ -175,21 +197,40 @@ class Planner:
         per stage (generation is added by the set, which knows the memory left)."""
         key = (role, n)
         if key not in self._options:
-            model, hw, work = self.flow.models[role], self.hw, self.work
+            model = self.flow.models[role]
             options = []
             for par in self.parallels(role, n):
                 times, details = [0.0] * self.stages, {}
                 for stage, call in self.flow.calls_of(role):
                     if call.kind == "infer":
-                        details["infer"] = infer_time(model, par, work, hw, call.repeat)
+                        details["infer"] = self.infer_parts(model, par, call.repeat)
                         times[stage] += sum(details["infer"].values())
                     elif call.kind == "train":
-                        details["train"] = train_time(model, par, work, hw)
+                        details["train"] = self.train_parts(model, par)
                         times[stage] += sum(details["train"].values())
-                options.append(ModelPlan(role, par, tuple(times), state_bytes(model, par, hw.weight_bytes),
-                                         activation_bytes(model, par, work, hw.weight_bytes), details=details))
+                options.append(ModelPlan(role, par, tuple(times), self.state_bytes(model, par),
+                                         self.activation_bytes(model, par), details=details))
             self._options[key] = options
         return self._options[key]
+
+    # the simulator's terms for Megatron layouts (hflow.placement.fsdp prices hflow's own)
+    def train_parts(self, model: Model, par: Parallel) -> dict[str, float]:
+        return train_time(model, par, self.work, self.hw)
+
+    def infer_parts(self, model: Model, par: Parallel, repeat: int) -> dict[str, float]:
+        return infer_time(model, par, self.work, self.hw, repeat)
+
+    def state_bytes(self, model: Model, par: Parallel) -> float:
+        return state_bytes(model, par, self.hw.weight_bytes)
+
+    def activation_bytes(self, model: Model, par: Parallel) -> float:
+        return activation_bytes(model, par, self.work, self.hw.weight_bytes)
+
+    def generation_extra_bytes(self, model: Model, train: Parallel, gen: Parallel) -> float:
+        return generation_extra_bytes(model, train, gen, self.hw.weight_bytes)
+
+    def reshard_seconds(self, model: Model, train: Parallel, gen: Parallel) -> float:
+        return reshard_time(model, train, gen, self.hw)
 
     def generation_parallels(self, train: Parallel, n: int) -> list[Parallel]:
         return [Parallel(p, t, n // (p * t)) for p in divisors(train.p) for t in divisors(train.t)
@@ -239,8 +280,8 @@ class Planner:
                 per_replica = math.ceil(work.sequences * call.repeat / gen.d)
                 # one wave (all of a replica's sequences at once) is the fastest generation can be
                 fastest = self._generation_seconds(role, gen, per_replica, call.repeat)
-                reshard = reshard_time(model, base.train, gen, hw)
-                layouts.append((gen, generation_extra_bytes(model, base.train, gen, hw.weight_bytes),
+                reshard = self.reshard_seconds(model, base.train, gen)
+                layouts.append((gen, self.generation_extra_bytes(model, base.train, gen),
                                 kv_bytes_per_token(model, gen, hw.weight_bytes) * work.seq_len, per_replica,
                                 reshard, fastest["prefill"] + fastest["decode"] + reshard))
             for point in front:
@@ -285,15 +326,18 @@ class Planner:
             return None
         best = None
         for sizes in self._allocations(minimums, self.devices):
-            sets = [self.set_plan(s, n) for s, n in zip(partition, sizes)]
-            if None in sets:      # too many devices for a model's batch (d > sequences)
-                continue
-            cost = step_cost(sets)
-            if best is None or sum(cost) < sum(best.stage_times):
-                best = Plan(sets, [], cost)
-        if best is not None:
-            best.ranks = assign_ranks([s.devices for s in best.sets])
+            plan = self.price(partition, sizes)
+            if plan is not None and (best is None or plan.step_time < best.step_time):
+                best = plan
         return best
+
+    def price(self, partition: list[tuple[str, ...]], sizes: list[int]) -> Plan | None:
+        """These sets on these many devices each (None: a set does not fit, or has more
+        devices than a model's batch has sequences)."""
+        sets = [self.set_plan(tuple(s), n) for s, n in zip(partition, sizes)]
+        if None in sets:
+            return None
+        return Plan(sets, assign_ranks(list(sizes)), step_cost(sets, self.shared_cores, self.hw.background))
 
     def _allocations(self, minimums: list[int], total: int):
         """Every list of sizes (one per set, at or above its minimum) adding up to total."""

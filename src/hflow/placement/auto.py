@@ -1,0 +1,139 @@
+"""--trainer.placement auto: the planner (HybridFlow Algorithm 1) over hflow's own layouts, with
+the profile of the machine the run is on.
+
+    job = job_of(cfg, model_dir, train, cluster.device_type)   # the models and one step's work
+    plan = resolve("auto", sets, cluster.world_size, algo="ppo", job=job)
+
+The profile: on CPU, this machine measured (hflow.placement.hardware.cpu_profile: matmul and
+memory rates of one rank's threads, gloo between two processes, the cores the ranks share;
+~5-20 s); on GPUs, the published profile named by `torch.cuda.get_device_name` (A100, H100,
+H200) with the device's memory. Every role is priced with the policy's shape (hflow's critics,
+reference and scorers start from it). The log lists each grouping's best allocation with its
+predicted seconds a step, fastest first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from hflow.placement import Placement
+from hflow.placement.fsdp import FSDPPlanner
+from hflow.placement.hardware import PROFILES, GiB, Hardware, cpu_profile
+from hflow.placement.models import ModelShape, Workload, dataflow, model_shape
+from hflow.placement.planner import Plan
+from hflow.placement.spec import ranks_text
+
+
+@dataclass(frozen=True)
+class Job:
+    """What `auto` prices: every role's shape (the policy's) and one RL step's work."""
+    model: ModelShape
+    work: Workload
+    generation_tp: int = 1          # --rollout.tp-size
+    actor_log_probs: bool = False   # the actor recomputes its old log-probs (else: the engine's)
+
+
+def job_of(cfg, model_dir: str, prompts, device_type: str) -> Job:
+    """The Job of a recipe's Config (its data, rollout and actor flags), the policy directory
+    and the training prompts (their mean length is the prompt length)."""
+    from hflow.workers import rollout_log_probs_exact
+
+    lengths = [len(ids) for ids in prompts.prompt_ids]
+    actor, batch = cfg.actor, cfg.data.batch_size
+    minibatches = batch // actor.mini_batch_size if actor.mini_batch_size else 1
+    prompt_len = max(1, round(statistics.mean(lengths)))
+    seq_len = prompt_len + cfg.rollout.max_tokens
+    old = getattr(getattr(cfg, "algo", None), "old_log_probs", "recompute")
+    work = Workload(batch, prompt_len, cfg.rollout.max_tokens, cfg.rollout.n, actor.epochs * minibatches,
+                    actor.max_tokens_per_micro_batch or actor.micro_batch_size * seq_len)
+    # where the engine's log-probs are exact (fp32) recipes take them (--algo.old-log-probs auto)
+    recompute = old == "recompute" or (old == "auto" and not rollout_log_probs_exact(actor, device_type))
+    return Job(model_shape(str(Path(model_dir) / "config.json")), work, cfg.rollout.tp_size, recompute)
+
+
+def machine_profile(device_type: str, world_size: int) -> Hardware:
+    """The profile of this machine: measured on CPU, published for a known GPU."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if device_type == "cpu":
+        return cpu_profile(per_node)
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    profile = next((k for k in PROFILES if k in name.lower()), None)
+    if profile is None:
+        raise ValueError(f"--trainer.placement auto: no profile for the GPU {name!r} (profiles: "
+                         f"{', '.join(PROFILES)}); name a placement instead (colocate, split, standalone or a SPEC)")
+    memory = torch.cuda.get_device_properties(0).total_memory
+    return dataclasses.replace(PROFILES[profile], devices_per_node=per_node, memory=memory)
+
+
+def planner_for(sets: list[list[str]], world_size: int, algo: str, job: Job, hw: Hardware) -> FSDPPlanner:
+    flow = dataflow(algo, {role: job.model for s in sets for role in s}, require=False,
+                    actor_log_probs=job.actor_log_probs)
+    return FSDPPlanner(flow, job.work, hw, world_size, job.generation_tp)
+
+
+def auto_placement(sets: list[list[str]], world_size: int, *, algo: str, job: Job | None,
+                   device_type: str | None = None, log: Callable[[str], None] = print) -> Placement:
+    if job is None:
+        raise ValueError("--trainer.placement auto needs the run's job: resolve(..., job=hflow.placement.job_of("
+                         "cfg, model_dir, train_prompts, device_type))")
+    if device_type is None:
+        import torch
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    hw = machine_profile(device_type, world_size)
+    try:
+        planner = planner_for(sets, world_size, algo, job, hw)
+        plans = planner.plan()
+    except ValueError as e:
+        raise ValueError(f"--trainer.placement auto: {e}") from None
+    # an exact tie (same ranks busy for the same time, e.g. sets of equal models swapped) goes
+    # to the recipe's own groupings: colocate, then split, then standalone
+    preference = {"colocate": 0, "split": 1, "standalone": 2, "": 3}
+    plans.sort(key=lambda p: (float(f"{p.step_time:.9g}"), preference[kind(p, sets)]))
+    for line in describe(plans, planner, sets):
+        log(line)
+    roles = [role for s in sets for role in s]
+    chosen = plans[0].placement()
+    return Placement({role: chosen[role] for role in roles})
+
+
+def kind(plan: Plan, sets: list[list[str]]) -> str:
+    """colocate, split (the recipe's sets), standalone, or '' for another grouping."""
+    groups = sorted(sorted(s.roles) for s in plan.sets)
+    if len(groups) == 1:
+        return "colocate"
+    if groups == sorted(sorted(s) for s in sets):
+        return "split"
+    return "standalone" if all(len(g) == 1 for g in groups) else ""
+
+
+def describe(plans: list[Plan], planner: FSDPPlanner, sets: list[list[str]], top: int = 8) -> list[str]:
+    """The chosen plan and the candidates: every grouping's best allocation, fastest first (at
+    most `top` besides colocate, split and standalone)."""
+    hw, work, best = planner.hw, planner.work, plans[0]
+    stages = [s.name for s in planner.flow.stages]
+    where = (f"{hw.cores} cores, {hw.peak_flops / 1e9:.0f} GFLOP/s a rank, gloo {hw.nvlink_bandwidth / 1e9:.2f} GB/s "
+             f"and {hw.nvlink_latency * 1e6:.0f} us" if hw.name == "cpu" else f"{hw.memory / GiB:.0f} GiB")
+    lines = [f"placement auto: {planner.flow.algo} on {planner.devices} x {hw.name} ({where}); {work.batch} prompts "
+             f"x {work.samples}, {work.prompt_len} + {work.response_len} tokens, {work.updates} update(s) a step",
+             f"  chose {label(best, sets)} on ranks {' | '.join(ranks_text(r) for r in best.ranks)}: predicted "
+             f"{best.step_time:.3g} s a step ("
+             + ", ".join(f"{name} {t:.3g}" for name, t in zip(stages, best.stage_times)) + ")",
+             "  candidates (each grouping's best allocation; ranks per set; predicted s a step):"]
+    shown = [p for i, p in enumerate(plans) if i < top or kind(p, sets)]
+    for p in shown:
+        lines.append(f"    {label(p, sets):<48} {'/'.join(str(s.devices) for s in p.sets):<10} {p.step_time:8.3g}"
+                     + ("   <- chosen" if p is best else ""))
+    if len(shown) < len(plans):
+        lines.append(f"    ... {len(plans) - len(shown)} more groupings, all slower")
+    return lines
+
+
+def label(plan: Plan, sets: list[list[str]]) -> str:
+    name = " | ".join("+".join(s.roles) for s in plan.sets)
+    return f"{kind(plan, sets)}: {name}" if kind(plan, sets) else name
