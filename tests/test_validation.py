@@ -153,3 +153,13 @@ def test_an_unknown_flag_and_help_print_once(tmp_path):
     assert typo.returncode != 0 and typo.output.count("Unrecognized options: --log-evry") == 1, typo.output
     helped = torchrun(str(RECIPES / "example.py"), 2, ["--help"], timeout=120)
     assert helped.returncode == 0 and helped.output.count("--log-every INT") == 1, helped.output
+    assert "starts N ranks" in helped.output   # where ranks come from
+
+
+def test_train_files_without_val_files_get_a_notice(tmp_path):
+    from hflow.validation import notices
+    data_file = tmp_path / "train.jsonl"
+    data_file.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = replaced(CONFIGS["grpo"], ("data", "train_files"), [str(data_file)])
+    assert any("no held-out evaluation" in line for line in notices(cfg))
+    assert notices(CONFIGS["grpo"]) == []

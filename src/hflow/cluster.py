@@ -46,7 +46,7 @@ from . import transport
 from .batch import Batch
 from .dispatch import RankGrid, gather, mode_of, scatter
 from .parallel import pick_device, set_device
-from .validation import ConfigError, UserError, check_config, prepare_output_dir
+from .validation import ConfigError, UserError, check_config, notices, prepare_output_dir
 from .server import Call, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
 
 
@@ -436,8 +436,10 @@ def _parse_and_check(cfg, rank: int):
     if rank == 0:
         try:
             if isinstance(cfg, type):
-                cfg = tyro.cli(cfg)
+                cfg = tyro.cli(cfg, description=_description())
             check_config(cfg)
+            for line in notices(cfg):
+                log(f"note: {line}")
             if hasattr(cfg, "trainer"):
                 prepare_output_dir(cfg.trainer)
         except SystemExit as e:    # tyro printed the usage error or the help
@@ -454,6 +456,14 @@ def _parse_and_check(cfg, rank: int):
         sys.stderr.flush()
         os._exit(verdict[0] if rank == 0 else 0)
     return cfg
+
+
+def _description() -> str:
+    """--help: the recipe's docstring, and where the ranks come from."""
+    doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
+    return (doc + "\n\n" if doc else "") + (
+        "Ranks: `torchrun --nproc-per-node N` starts N ranks (rank 0 runs the recipe, the others serve "
+        "its calls); `python recipes/<recipe>.py` runs it as a single process, handy with breakpoint().")
 
 
 def _print_config_error(e: UserError) -> None:

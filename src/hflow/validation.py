@@ -154,6 +154,16 @@ def check_config(cfg) -> None:
         raise ConfigError("\n".join(found))
 
 
+def notices(cfg) -> list[str]:
+    """Choices that are valid but easy to miss, said once at start."""
+    found = []
+    data = getattr(cfg, "data", None)
+    if data is not None and getattr(data, "train_files", None) and not getattr(data, "val_files", None):
+        found.append("--data.train-files without --data.val-files: no held-out evaluation (no eval/* "
+                     "metrics); pass --data.val-files to evaluate")
+    return found
+
+
 # ---------------------------------------------------------------- the run's directory
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "actor_hf")
