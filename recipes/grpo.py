@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import tyro
 
 import hflow
 from hflow import algos
@@ -66,6 +65,7 @@ from hflow.evaluation import evaluate
 from hflow.recipe import policy_and_prompts, prompt_batch, rollout_metrics, score
 from hflow.rewards import Scorer
 from hflow.run import Run
+from hflow.validation import ConfigError
 from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
 from hflow.workers.base import trainable_prompts
 from hflow.workers.layout import concat_rollouts
@@ -130,12 +130,12 @@ def resolve_algo(algo: GRPOConfig, max_tokens: int) -> GRPOConfig:
     estimator = algo.estimator
     if not algo.norm_by_std:
         if estimator not in ("grpo", "drgrpo"):
-            raise ValueError(f"--algo.no-norm-by-std is --algo.estimator drgrpo; it does not apply to {estimator}")
+            raise ConfigError(f"--algo.no-norm-by-std is --algo.estimator drgrpo; it does not apply to {estimator}")
         estimator = "drgrpo"
     if algo.max_sampling_rounds < 1:
-        raise ValueError(f"--algo.max-sampling-rounds must be >= 1, got {algo.max_sampling_rounds}")
+        raise ConfigError(f"--algo.max-sampling-rounds {algo.max_sampling_rounds}: must be >= 1")
     if not 0 <= algo.overlong_buffer <= max_tokens:
-        raise ValueError(f"--algo.overlong-buffer {algo.overlong_buffer} must be between 0 and "
+        raise ConfigError(f"--algo.overlong-buffer {algo.overlong_buffer}: must be between 0 and "
                          f"--rollout.max-tokens {max_tokens}")
     clip_low, clip_high, loss_agg = LOSS_DEFAULTS[algo.loss]
     return dataclasses.replace(
@@ -264,4 +264,4 @@ def main(cluster: hflow.Cluster, cfg: Config):
 
 
 if __name__ == "__main__":
-    hflow.launch(main, tyro.cli(Config))
+    hflow.launch(main, Config)   # rank 0 parses and checks the flags

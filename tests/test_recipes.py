@@ -161,7 +161,8 @@ def test_grpo_defaults_depend_on_the_model():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["unknown flag", "batch does not divide", "missing file", "unsupported model"])
+@pytest.mark.parametrize("case", ["unknown flag", "batch does not divide", "missing file", "unsupported model",
+                                  "overlong buffer"])
 def test_bad_input_stops_before_work_with_a_message(case, tiny_model, tmp_path):
     args = small_run(tiny_model, tmp_path / "out")
     if case == "unknown flag":
@@ -170,6 +171,9 @@ def test_bad_input_stops_before_work_with_a_message(case, tiny_model, tmp_path):
     elif case == "batch does not divide":
         args += ["--data.batch-size", "3", "--rollout.n", "1"]
         expected = "--data.batch-size 3"
+    elif case == "overlong buffer":
+        args += ["--algo.overlong-buffer", "9"]   # more than --rollout.max-tokens 4
+        expected = "--algo.overlong-buffer 9"
     elif case == "missing file":
         args += ["--data.train-files", str(tmp_path / "nope.jsonl")]
         expected = "--data.train-files"
