@@ -9,6 +9,7 @@ import pytest
 
 from hflow.config import ActorConfig, DataConfig, RolloutConfig
 from hflow.placement import Job, Placement, job_of, resolve
+from hflow.placement.auto import candidates, kind
 from hflow.placement.fsdp import (
     FSDPPlanner, collective_time, fsdp_infer_time, fsdp_reshard_bytes, fsdp_reshard_time, fsdp_state_bytes,
     fsdp_train_time, fsdp_working_bytes, micro_batches, parameter_tensors)
@@ -212,6 +213,14 @@ def test_the_planner_enumerates_hflows_placements_on_4_ranks():
             assert all(m.train == Parallel(1, 1, s.devices) for m in s.models)   # FSDP over the set's ranks
     # 3 ranks cannot split a trained model's 128 sequences evenly: hflow refuses, so does the planner
     assert planner.set_plan(("critic",), 3) is None and planner.set_plan(("ref",), 3) is not None
+
+
+def test_a_tie_goes_to_the_recipes_own_grouping():
+    # 2 + 2 ranks busy in every stage but generation: the three 2/2 groupings take the same time
+    plans = candidates(ppo_planner(), PPO)
+    halves = [p for p in plans if [s.devices for s in p.sets] == [2, 2]]
+    assert len(halves) == 3 and halves[0].step_time == pytest.approx(halves[2].step_time, rel=1e-12)
+    assert kind(halves[0], PPO) == "split" and plans.index(halves[0]) + 2 == plans.index(halves[2])
 
 
 def test_generation_tp_must_divide_the_actors_ranks():

@@ -88,18 +88,22 @@ def auto_placement(sets: list[list[str]], world_size: int, *, algo: str, job: Jo
     hw = machine_profile(device_type, world_size)
     try:
         planner = planner_for(sets, world_size, algo, job, hw)
-        plans = planner.plan()
+        plans = candidates(planner, sets)
     except ValueError as e:
         raise ValueError(f"--trainer.placement auto: {e}") from None
-    # an exact tie (same ranks busy for the same time, e.g. sets of equal models swapped) goes
-    # to the recipe's own groupings: colocate, then split, then standalone
-    preference = {"colocate": 0, "split": 1, "standalone": 2, "": 3}
-    plans.sort(key=lambda p: (float(f"{p.step_time:.9g}"), preference[kind(p, sets)]))
     for line in describe(plans, planner, sets):
         log(line)
     roles = [role for s in sets for role in s]
     chosen = plans[0].placement()
     return Placement({role: chosen[role] for role in roles})
+
+
+def candidates(planner: FSDPPlanner, sets: list[list[str]]) -> list[Plan]:
+    """Every grouping's best allocation, fastest first. An exact tie (the same ranks busy for
+    the same time: sets of equal models swapped) goes to the recipe's own groupings:
+    colocate, then split, then standalone."""
+    preference = {"colocate": 0, "split": 1, "standalone": 2, "": 3}
+    return sorted(planner.plan(), key=lambda p: (float(f"{p.step_time:.9g}"), preference[kind(p, sets)]))
 
 
 def kind(plan: Plan, sets: list[list[str]]) -> str:
