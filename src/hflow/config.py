@@ -66,8 +66,8 @@ class TrainerConfig:
     """Replace an earlier run in output_dir (its metrics, checkpoints and export); without it a used output_dir is refused."""
     export: bool = True
     """Export the final actor as a Hugging Face directory (output_dir/actor_hf)."""
-    placement: Literal["colocate", "split"] = "colocate"
-    """colocate: every model on every rank; split: actor+reference on half the ranks, critic on the other half."""
+    placement: str = "colocate"
+    """colocate (every model on every rank), split (the recipe's two natural sets on ranks of their own: the actor's side and the scorers'/critics' side; the recipe's docstring says which), standalone (every model on ranks of its own), auto (the planner picks for this machine and logs why), or a SPEC of colocated sets and their ranks, e.g. actor,ref:0-1;critic:2;reward:3."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 

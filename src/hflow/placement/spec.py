@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from hflow.placement import Placement, colocate, split
+from hflow.validation import ConfigError
 
 FLAG = "--trainer.placement"
 NAMED = ("colocate", "split", "standalone", "auto")
@@ -37,14 +38,14 @@ def resolve(spec: str, sets: Sequence[Sequence[str]], world_size: int, *, algo: 
     sets = [list(s) for s in sets if s]
     roles = [role for s in sets for role in s]
     if len(set(roles)) != len(roles):
-        raise ValueError(f"resolve: a role appears in two of the sets {sets}")
+        raise ConfigError(f"resolve: a role appears in two of the sets {sets}")
     spec = spec.strip()
     if spec == "colocate":
         return colocate(roles, world_size)
     if spec in ("split", "standalone"):
         groups = sets if spec == "split" else [[role] for role in roles]
         if len(groups) > world_size:
-            raise ValueError(f"{FLAG} {spec} puts {' | '.join('+'.join(g) for g in groups)} on ranks of their own: "
+            raise ConfigError(f"{FLAG} {spec} puts {' | '.join('+'.join(g) for g in groups)} on ranks of their own: "
                              f"it needs at least {len(groups)} ranks and the run has {world_size}; launch with "
                              f"--nproc-per-node {len(groups)} or more, or use colocate")
         return split(groups, world_size)
@@ -52,7 +53,7 @@ def resolve(spec: str, sets: Sequence[Sequence[str]], world_size: int, *, algo: 
         from hflow.placement.auto import auto_placement   # torch and the planner: only when asked
         return auto_placement(sets, world_size, algo=algo, job=job, device_type=device_type, log=log)
     if ":" not in spec:
-        raise ValueError(f"{FLAG} {spec!r}: unknown placement; choose {', '.join(NAMED)}, or a SPEC of "
+        raise ConfigError(f"{FLAG} {spec!r}: unknown placement; choose {', '.join(NAMED)}, or a SPEC of "
                          f"colocated sets with their ranks, e.g. {example(sets, world_size)}")
     return parse_spec(spec, roles, world_size)
 
@@ -78,14 +79,14 @@ def parse_ranks(text: str, where: str) -> list[int]:
         try:
             lo, hi = int(first), int(last) if dash else int(first)
         except ValueError:
-            raise ValueError(f"{FLAG}: set {where!r}: {item.strip()!r} is not a rank or a range of ranks "
+            raise ConfigError(f"{FLAG}: set {where!r}: {item.strip()!r} is not a rank or a range of ranks "
                              f"(write ranks as 0-1,4)") from None
         if lo < 0 or hi < lo:
-            raise ValueError(f"{FLAG}: set {where!r}: {item.strip()!r} is not a range of ranks (write low-high, "
+            raise ConfigError(f"{FLAG}: set {where!r}: {item.strip()!r} is not a range of ranks (write low-high, "
                              f"both >= 0)")
         ranks += range(lo, hi + 1)
     if len(set(ranks)) != len(ranks):
-        raise ValueError(f"{FLAG}: set {where!r} names a rank twice")
+        raise ConfigError(f"{FLAG}: set {where!r} names a rank twice")
     return sorted(ranks)
 
 
@@ -94,40 +95,40 @@ def parse_spec(spec: str, roles: list[str], world_size: int) -> Placement:
     placed, holder = {}, {}            # role -> ranks; rank -> (the set's text, its roles)
     for part in (p.strip() for p in spec.split(";")):
         if not part:
-            raise ValueError(f"{FLAG} {spec!r}: an empty set (a ';' too many)")
+            raise ConfigError(f"{FLAG} {spec!r}: an empty set (a ';' too many)")
         names, colon, ranks_part = part.partition(":")
         if not colon or not ranks_part.strip():
-            raise ValueError(f"{FLAG}: set {part!r} has no ranks; write it as roles:ranks, e.g. {names.strip()}:0-1")
+            raise ConfigError(f"{FLAG}: set {part!r} has no ranks; write it as roles:ranks, e.g. {names.strip()}:0-1")
         set_roles = [name.strip() for name in names.split(",")]
         if "" in set_roles:
-            raise ValueError(f"{FLAG}: set {part!r} has an empty role name; write roles as actor,ref")
+            raise ConfigError(f"{FLAG}: set {part!r} has an empty role name; write roles as actor,ref")
         for role in set_roles:
             if role not in roles:
-                raise ValueError(f"{FLAG}: unknown role {role!r} in set {part!r}; this run's roles are "
+                raise ConfigError(f"{FLAG}: unknown role {role!r} in set {part!r}; this run's roles are "
                                  f"{', '.join(roles)}")
             if role in placed:
-                raise ValueError(f"{FLAG}: role {role!r} is in two sets; a role runs on one set of ranks")
+                raise ConfigError(f"{FLAG}: role {role!r} is in two sets; a role runs on one set of ranks")
         ranks = parse_ranks(ranks_part, part)
         for rank in ranks:
             if rank >= world_size:
-                raise ValueError(f"{FLAG}: set {part!r} names rank {rank}, but the run has {world_size} ranks "
+                raise ConfigError(f"{FLAG}: set {part!r} names rank {rank}, but the run has {world_size} ranks "
                                  f"(0-{world_size - 1}); launch with --nproc-per-node {max(ranks) + 1} or use "
                                  f"lower ranks")
             if rank in holder:
                 other, other_roles = holder[rank]
                 both = sorted(set(placed[other_roles[0]]) | set(ranks))
-                raise ValueError(f"{FLAG}: sets {other!r} and {part!r} overlap on rank {rank}; roles that share "
+                raise ConfigError(f"{FLAG}: sets {other!r} and {part!r} overlap on rank {rank}; roles that share "
                                  f"ranks go in one set, e.g. {','.join(other_roles + set_roles)}:{ranks_text(both)}")
             holder[rank] = (part, set_roles)
         placed.update({role: ranks for role in set_roles})
     missing = [role for role in roles if role not in placed]
     if missing:
         first, first_roles = holder[min(holder)]
-        raise ValueError(f"{FLAG}: no set holds {', '.join(missing)}; every role of this run needs ranks: add "
+        raise ConfigError(f"{FLAG}: no set holds {', '.join(missing)}; every role of this run needs ranks: add "
                          f"{'it' if len(missing) == 1 else 'them'} to a set (e.g. "
                          f"{','.join(first_roles + missing)}:{ranks_text(placed[first_roles[0]])})")
     idle = [rank for rank in range(world_size) if rank not in holder]
     if idle:
-        raise ValueError(f"{FLAG}: rank{'s' * (len(idle) > 1)} {ranks_text(idle)} hold{'s' * (len(idle) == 1)} "
+        raise ConfigError(f"{FLAG}: rank{'s' * (len(idle) > 1)} {ranks_text(idle)} hold{'s' * (len(idle) == 1)} "
                          f"no role; give every rank to a set, or launch with fewer ranks")
     return Placement({role: placed[role] for role in roles})
