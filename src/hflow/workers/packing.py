@@ -2,12 +2,12 @@
 
 A micro-batch in the layout of layout.py is [b, P + R] with left-padded prompts and
 right-padded responses; run as it is, every matmul pays for b * (P + R) positions however
-short most rows are. `pack` concatenates the real tokens of the rows into one row of T tokens
-(positions restart at 0 for each sequence), and the attention function registered here
-(`ATTENTION`, which fsdp.build_model sets on every worker model) attends within each sequence
-only, from index tensors passed through the model's forward as the keyword `hflow_packing`.
-The linear layers' work then follows the real tokens, and the LM head runs only where a
-log-prob is read (`predict_at`).
+short most rows are. `pack` concatenates the real tokens of the rows, shortest first, into one
+row of T tokens (positions restart at 0 for each sequence), and the attention function
+registered here (`ATTENTION`, which fsdp.build_model sets on every worker model) attends within
+each sequence only, from index tensors passed through the model's forward as the keyword
+`hflow_packing`. The linear layers' work then follows the real tokens, and the LM head runs
+only where a log-prob is read (`predict_at`).
 
     packed = pack(mb)
     out = model(**packed.model_inputs(), logits_to_keep=packed.predict_at)   # logits [1, K, V]
@@ -26,7 +26,28 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from hflow.engine.attention import plan_buckets
+
 ATTENTION = "hflow_varlen"
+
+# A bucket's fixed cost (3 gathers, one SDPA call, a scatter, forward and backward) in units of
+# the SDPA cost of one padded row of length 1 (cost ~ rows x L^2). Measured on 1 CPU thread,
+# 25M model's heads (8 query / 4 KV x 64), one rank's share of bench_rl's vary workload (32
+# sequences of 13-157 tokens): forward + backward per layer is flat within noise for 1,000-16,000
+# (9-5 buckets), 48-52 ms, against 84-88 ms for one masked batch padded to the longest.
+BUCKET_OVERHEAD = 8000
+# lengths are rounded up to this for planning, so the plan costs O((L / 16)^2) at most
+PLAN_GRANULE = 16
+
+
+@dataclass
+class Bucket:
+    """Sequences of similar length, contiguous in the packed order, attended as one padded
+    [rows, L] batch: `gather` [rows, L] is the index of token j of each sequence among the
+    bucket's tokens (padding: 0), `scatter` [tokens] the index of each of its real tokens in
+    the flattened [rows * L]."""
+    gather: torch.Tensor
+    scatter: torch.Tensor
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -34,26 +55,35 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     """Causal attention inside each packed sequence. query [1, H, T, D], key/value
     [1, H_kv, T, D]; returns [1, T, H, D] as transformers' attention functions do.
 
-    The sequences are gathered into one padded [b, H, L, D] batch for a single masked
+    The packed tokens are split into buckets of sequences of similar length; each bucket is
+    gathered into one padded [rows, H, L, D] batch for a single causal
     `scaled_dot_product_attention` (one autograd node, not one slice per sequence: slicing's
-    backward writes a full-size gradient per slice), then scattered back to the T real tokens.
-    Only attention pays for the padding, and it is a small part of a layer's FLOPs."""
+    backward writes a full-size gradient per slice), then scattered back to its real tokens.
+    Padding sits after each sequence's last token, so the causal mask alone keeps every real
+    query off it; the padding queries' outputs are dropped (their gradient is 0). Attention
+    costs rows x L^2 per bucket: buckets cut the padding where lengths vary."""
     if hflow_packing is None:
         raise RuntimeError(f"a model with attention {ATTENTION!r} runs on packed sequences: call it "
                            "with the inputs of hflow.workers.packing.pack(...).model_inputs()")
     if dropout > 0:
         raise ValueError("packed attention has no dropout")
-    gather, mask, scatter = hflow_packing
-    b, L = gather.shape
+    sizes, buckets = hflow_packing
+    if not buckets:   # an empty micro-batch
+        return query.transpose(1, 2), None
+    pieces = zip(*(x[0].split(sizes, dim=1) for x in (query, key, value))) if len(buckets) > 1 \
+        else [(query[0], key[0], value[0])]
+    outs = []
+    for bucket, (q, k, v) in zip(buckets, pieces):
+        b, L = bucket.gather.shape
 
-    def padded(x):  # [1, h, T, D] -> [b, h, L, D]
-        h, D = x.shape[1], x.shape[3]
-        return x[0].index_select(1, gather.flatten()).view(h, b, L, D).transpose(0, 1)
+        def padded(x):  # [h, T_bucket, D] -> [b, h, L, D]
+            return x.index_select(1, bucket.gather.flatten()).view(x.shape[0], b, L, x.shape[2]).transpose(0, 1)
 
-    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=mask,
-                                         scale=scaling, enable_gqa=True)   # [b, H, L, D]
-    H, D = out.shape[1], out.shape[3]
-    out = out.transpose(0, 1).reshape(H, b * L, D).index_select(1, scatter)   # [H, T, D]
+        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True,
+                                             scale=scaling, enable_gqa=True)   # [b, H, L, D]
+        H, D = out.shape[1], out.shape[3]
+        outs.append(out.transpose(0, 1).reshape(H, b * L, D).index_select(1, bucket.scatter))   # [H, T_b, D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
@@ -69,19 +99,18 @@ def register_attention() -> str:
 class Packed:
     input_ids: torch.Tensor      # [1, T]
     position_ids: torch.Tensor   # [1, T]
-    gather: torch.Tensor         # [b, L] packed index of token j of sequence i (padding: 0)
-    attention_mask: torch.Tensor  # [b, 1, L, L] causal, real keys only
-    scatter: torch.Tensor        # [T] index of each packed token in the flattened [b, L]
+    sizes: list[int]             # tokens of each bucket, in packed order
+    buckets: list[Bucket]
     predict_at: torch.Tensor     # [K] packed indices whose output predicts (or values) a response token
     targets: torch.Tensor        # [K] those response tokens
     rows: torch.Tensor           # [K] where each goes in the [b, R] layout
     cols: torch.Tensor           # [K]
-    last: torch.Tensor           # [b] packed index of each sequence's last token
+    last: torch.Tensor           # [b] packed index of each row's last token
     shape: tuple[int, int]       # (b, R)
 
     def model_inputs(self) -> dict:
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False,
-                "hflow_packing": (self.gather, self.attention_mask, self.scatter)}
+                "hflow_packing": (self.sizes, self.buckets)}
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """[K] per-response-token values -> [b, R], 0 where there is no response token."""
@@ -89,8 +118,9 @@ class Packed:
         return out.index_put((self.rows, self.cols), values)
 
 
-def pack(tensors: dict[str, torch.Tensor]) -> Packed:
-    """Pack the real tokens of a micro-batch in the layout of layout.py, in row order."""
+def pack(tensors: dict[str, torch.Tensor], overhead: float = BUCKET_OVERHEAD) -> Packed:
+    """Pack the real tokens of a micro-batch in the layout of layout.py, shortest row first,
+    and cut them into attention buckets (`overhead`: a bucket's fixed cost, see BUCKET_OVERHEAD)."""
     mask = tensors["attention_mask"].bool()
     b, R = tensors["response_mask"].shape
     P = mask.shape[1] - R
@@ -98,19 +128,34 @@ def pack(tensors: dict[str, torch.Tensor]) -> Packed:
     prompt_lengths = mask[:, :P].sum(1)
     if bool((prompt_lengths == 0).any()):
         raise ValueError("a sequence has no prompt token: its first response token is predicted from nothing")
-    starts = lengths.cumsum(0) - lengths
-    positions = (mask.long().cumsum(1) - 1)[mask]
+    order = torch.argsort(lengths, stable=True)
+    sorted_lengths = lengths[order]
+    sorted_starts = sorted_lengths.cumsum(0) - sorted_lengths
+    starts = torch.empty_like(sorted_starts).index_copy_(0, order, sorted_starts)
+    sorted_mask = mask[order]
+    input_ids = tensors["input_ids"][order][sorted_mask]
+    positions = (sorted_mask.long().cumsum(1) - 1)[sorted_mask]
     rows, cols = mask[:, P:].nonzero(as_tuple=True)
     target_at = starts[rows] + prompt_lengths[rows] + cols
-    input_ids = tensors["input_ids"][mask]
-    L = int(lengths.max()) if b else 0
-    j = torch.arange(L, device=mask.device)
-    real = j[None, :] < lengths[:, None]                                    # [b, L]
-    gather = torch.where(real, starts[:, None] + j[None, :], 0)
-    # a padding query still sees its sequence's real keys (all of them precede it): no empty row
-    attention_mask = (j[None, :] <= j[:, None])[None, None] & real[:, None, None, :]
-    scatter = (torch.arange(b, device=mask.device)[:, None] * L + j[None, :])[real]
-    return Packed(input_ids=input_ids[None], position_ids=positions[None], gather=gather,
-                  attention_mask=attention_mask, scatter=scatter, predict_at=target_at - 1,
-                  targets=input_ids[target_at], rows=rows, cols=cols, last=starts + lengths - 1,
-                  shape=(b, R))
+    sizes, buckets = _buckets(sorted_lengths, overhead)
+    return Packed(input_ids=input_ids[None], position_ids=positions[None], sizes=sizes, buckets=buckets,
+                  predict_at=target_at - 1, targets=input_ids[target_at], rows=rows, cols=cols,
+                  last=starts + lengths - 1, shape=(b, R))
+
+
+def _buckets(sorted_lengths: torch.Tensor, overhead: float) -> tuple[list[int], list[Bucket]]:
+    """Cut rows sorted by length into buckets minimising sum(rows x L^2) + overhead x buckets."""
+    granules = [-(-int(n) // PLAN_GRANULE) for n in sorted_lengths.tolist()]
+    spans = plan_buckets([g * g for g in granules], PLAN_GRANULE ** 2, overhead) if granules else []
+    sizes, buckets = [], []
+    for first, end in spans:
+        lengths = sorted_lengths[first:end]
+        L = int(lengths[-1])
+        j = torch.arange(L, device=lengths.device)
+        real = j[None, :] < lengths[:, None]                                     # [rows, L]
+        starts = lengths.cumsum(0) - lengths
+        gather = torch.where(real, starts[:, None] + j[None, :], 0)
+        scatter = (torch.arange(end - first, device=lengths.device)[:, None] * L + j[None, :])[real]
+        sizes.append(int(lengths.sum()))
+        buckets.append(Bucket(gather, scatter))
+    return sizes, buckets

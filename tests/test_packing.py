@@ -1,0 +1,77 @@
+"""Packed training passes (hflow/workers/packing.py) against transformers' own padded forward:
+the same log-probs and the same gradients, whatever the attention buckets."""
+import copy
+
+import pytest
+import torch
+
+from hflow.workers import layout, packing
+
+
+def tiny_qwen2(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=2, attn_implementation="eager")
+    return Qwen2ForCausalLM(config).float()
+
+
+def micro_batch(seed=3):
+    """Rows whose lengths vary (2-70 tokens) and are not in length order, two of them equal."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(30, 40), (1, 1), (5, 20), (12, 3), (1, 1), (50, 20), (7, 9), (2, 30)]
+    prompts = [torch.randint(3, 97, (p,), generator=g).tolist() for p, _ in shapes]
+    responses = [torch.randint(3, 97, (r,), generator=g).tolist() for _, r in shapes]
+    return layout.sequence_tensors(prompts, responses, pad_id=0)
+
+
+def padded_log_probs(model, t):
+    """The oracle: transformers' eager attention over the padded [b, P + R] batch."""
+    logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                   position_ids=layout.position_ids(t["attention_mask"])).logits
+    R = t["response_mask"].shape[1]
+    logp = torch.log_softmax(logits[:, -R - 1:-1], -1).gather(-1, t["responses"][..., None])[..., 0]
+    return logp * t["response_mask"]
+
+
+def packed_log_probs(model, t, overhead):
+    packed = packing.pack(t, overhead=overhead)
+    logits = model(**packed.model_inputs(), logits_to_keep=packed.predict_at).logits[0]
+    return packed.unpack(torch.log_softmax(logits, -1).gather(-1, packed.targets[:, None])[:, 0]), packed
+
+
+@pytest.mark.parametrize("overhead", [0.0, packing.BUCKET_OVERHEAD, 1e12])   # a bucket per length ... one bucket
+def test_packed_log_probs_and_gradients_equal_the_padded_forward(overhead):
+    t = micro_batch()
+    reference = tiny_qwen2()
+    model = copy.deepcopy(reference)
+    model.config._attn_implementation = packing.register_attention()
+    expect = padded_log_probs(reference, t)
+    (expect * torch.linspace(-1, 1, expect.numel()).view_as(expect)).sum().backward()
+    got, packed = packed_log_probs(model, t, overhead)
+    (got * torch.linspace(-1, 1, got.numel()).view_as(got)).sum().backward()
+    if overhead == 0:
+        assert len(packed.buckets) == 3   # lengths 2, 2, 15, 16 | 25, 32 | 70, 70: one per 16-token granule
+    if overhead == 1e12:
+        assert len(packed.buckets) == 1
+    assert torch.allclose(got, expect, atol=1e-5)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+
+
+def test_pack_keeps_each_rows_tokens_in_place():
+    t = micro_batch()
+    packed = packing.pack(t)
+    mask = t["attention_mask"].bool()
+    lengths = mask.sum(1)
+    ids = packed.input_ids[0]
+    assert packed.sizes == [b.scatter.numel() for b in packed.buckets]
+    assert sum(packed.sizes) == int(lengths.sum())
+    for i in range(len(lengths)):   # the row's last token, and its tokens ending there
+        last = int(packed.last[i])
+        assert ids[last - lengths[i] + 1:last + 1].tolist() == t["input_ids"][i][mask[i]].tolist()
+    assert torch.equal(packed.unpack(packed.targets.float()), t["responses"].float() * t["response_mask"])
+    order = [int(s) for s in packed.last]   # shortest row first (ties in row order)
+    assert sorted(order) == [order[i] for i in torch.argsort(lengths, stable=True).tolist()]
