@@ -37,8 +37,7 @@ from hflow.data import PromptSampler
 from hflow.metrics import Timer
 from hflow.placement import colocate, split
 from hflow.evaluation import evaluate
-from hflow.recipe import policy_and_prompts, prompt_batch, rollout_metrics, score
-from hflow.rewards import Scorer
+from hflow.recipe import policy_and_prompts, prompt_batch, Rewards, reward_roles, rollout_metrics
 from hflow.run import Run
 from hflow.workers import Actor, check_batch_sizes, Critic, is_on_policy, Reference, rollout_log_probs_exact
 
@@ -113,21 +112,23 @@ def critic_loss(values, mb, *, algo: PPOConfig):
 
 def main(cluster: hflow.Cluster, cfg: Config):
     algo = cfg.algo
-    sets = [["actor", "ref"], ["critic"]] if algo.kl_coef > 0 else [["actor"], ["critic"]]
+    # a reward model sits with the critic: when split, both work while the actor generates or trains
+    sets = [["actor", "ref"] if algo.kl_coef > 0 else ["actor"], ["critic"] + reward_roles(cfg.reward, cfg.model)]
     plan = split(sets, cluster.world_size) if cfg.trainer.placement == "split" \
         else colocate([r for s in sets for r in s], cluster.world_size)
     check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]), "actor")
     check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.critic.mini_batch_size, len(plan["critic"]), "critic")
     model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
     sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
-    scorer = Scorer(cfg.reward)
+    rewards = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
     kl_ctrl = algos.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) \
         if algo.kl_ctrl == "adaptive" else algos.FixedKLController(algo.kl_coef)
     actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
     actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
     ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
     critic = cluster.spawn(Critic, cfg.critic, model_dir, ranks=plan["critic"])
-    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer, cfg.rollout, cfg.trainer.eval_size)
+    # held-out accuracy is the rule's, also when a reward model (a proxy) gives the training score
+    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, rewards.rule, cfg.rollout, cfg.trainer.eval_size)
     run = Run(cfg.trainer, trained={"actor": actor, "critic": critic}, state={"data": sampler, "kl_ctrl": kl_ctrl},
               evaluate=evaluate_now, export=(actor, model_dir))
 
@@ -142,7 +143,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
             with timer("generate"):
                 rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
                 batch = actor.generate(prompt_batch(next(sampler)), rollout)
-            scores, metrics = score(batch, tokenizer, scorer)
+            scores, metrics = rewards(batch)
             with timer("log_probs"):   # the groups work at the same time where they sit on different ranks
                 parts = [critic.values.future(batch)] + ([ref.log_probs.future(batch, temperature)] if ref else [])
                 if need_old and old_from_rollout:
@@ -177,7 +178,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
         metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
         run.end_step(step, metrics)
     run.finish()
-    scorer.close()
+    rewards.close()
 
 
 if __name__ == "__main__":

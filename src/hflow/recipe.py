@@ -1,5 +1,5 @@
 """What every recipe does the same way: the policy and prompts checked before any work, prompts
-in, texts and scores out, the supervised loss. A recipe stays the algorithm; these are its
+in, texts and scores out (a rule, a reward model in the loop, or both), the supervised loss. A recipe stays the algorithm; these are its
 plumbing. (Held-out evaluation: hflow.evaluation; the embedded default's warm-up:
 hflow.default_model; a run's bookkeeping: hflow.run.)
 """
@@ -15,7 +15,8 @@ from hflow import algos
 from hflow.batch import Batch
 from hflow.config import ModelConfig
 from hflow.data import DataConfig, Prompt, load_prompts
-from hflow.rewards import Scorer
+from hflow.rewards import RewardConfig, Scorer
+from hflow.workers import RewardModel, RewardModelConfig
 from hflow.workers.layout import sequence_tensors
 
 
@@ -66,6 +67,69 @@ def score(batch: Batch, tokenizer, scorer: Scorer) -> tuple[torch.Tensor, dict]:
     """One score per sequence of a rollout Batch, and the scorer's metrics (reward/*)."""
     scored = scorer(response_texts(batch, tokenizer), batch["ground_truth"], batch["extra"])
     return torch.tensor(scored.scores, dtype=torch.float32), scored.metrics
+
+
+# ------------------------------------------------------------ rewards: a rule, a reward model, or both
+
+def reward_roles(reward: RewardConfig, model: ModelConfig) -> list[str]:
+    """["reward"] when a reward model is in the loop (a role to place like any model), else [];
+    checks the flags before any work."""
+    if reward.model == "default" and model.path:
+        raise ValueError("--reward.model default is the embedded default policy's reward model; with "
+                         "--model.path give a reward model trained for that policy's tokenizer "
+                         "(recipes/reward_model.py)")
+    if reward.model and reward.model != "default" and not (Path(reward.model) / "config.json").exists():
+        raise FileNotFoundError(f"--reward.model {reward.model}: not a Hugging Face model directory (no config.json)")
+    return ["reward"] if reward.model else []
+
+
+class Rewards:
+    """The training score of a rollout: the rule (--reward.fn) alone; with a reward model
+    (--reward.model) w * rm, or rule + w * rm when --reward.fn is given too. The rule is
+    always computed: it is logged, and held-out evaluation uses it (`rewards.rule`).
+
+        plan = colocate(["actor", ...] + reward_roles(cfg.reward, cfg.model), world)
+        rewards = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
+        scores, metrics = rewards(batch)    # reward/mean; with a model also reward/rule_mean, reward/rm_mean, reward/rm_std
+    """
+
+    def __init__(self, cluster, cfg: RewardConfig, model: ModelConfig, tokenizer, ranks=None):
+        from hflow.preference import default_reward_model   # here: hflow.preference imports hflow.default_model, which imports this module
+        self.cfg, self.tokenizer, self.rule = cfg, tokenizer, Scorer(cfg)
+        self.model = None
+        if cfg.model:
+            path = default_reward_model(cluster, "reward", size=model.default_size, seed=model.default_seed) \
+                if cfg.model == "default" else Path(cfg.model)
+            check_same_tokenizer(path, tokenizer)
+            rm_cfg = RewardModelConfig(model_path=str(path), max_tokens_per_micro_batch=cfg.model_max_tokens_per_micro_batch)
+            self.model = cluster.spawn(RewardModel, rm_cfg, ranks=ranks)
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """One training score per sequence of a rollout Batch, and the metrics (reward/*)."""
+        # the reward model works on its ranks while the controller applies the rule
+        pending = self.model.scores.future(batch.select("input_ids", "attention_mask", "response_mask")) \
+            if self.model else None
+        rule, metrics = score(batch, self.tokenizer, self.rule)
+        if pending is None:
+            return rule, metrics
+        rm = pending.result()["rm_scores"]
+        scores = self.cfg.model_weight * rm + (rule if self.cfg.fn else 0.0)
+        metrics["reward/rule_mean"] = metrics.pop("reward/mean")
+        return scores, metrics | {"reward/mean": scores.mean().item(), "reward/rm_mean": rm.mean().item(),
+                                  "reward/rm_std": rm.std().item() if len(rm) > 1 else 0.0}
+
+    def close(self) -> None:
+        self.rule.close()
+
+
+def check_same_tokenizer(path, tokenizer) -> None:
+    """A reward model scores the policy's token ids: its tokenizer (when its directory has one)
+    must be the policy's."""
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return
+    if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"--reward.model {path}: its tokenizer is not the policy's; a reward model scores "
+                         "the policy's token ids, so it must be trained with the policy's tokenizer")
 
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
