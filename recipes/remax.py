@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 recipes/remax.py                    # the embedded default task
     torchrun --nproc-per-node 4 recipes/remax.py --algo.kl-coef 0.001 --trainer.placement split
+    torchrun --nproc-per-node 2 recipes/remax.py --reward.model default       # the default reward model
     torchrun --nproc-per-node 8 recipes/remax.py --model.path ~/models/Qwen2.5-0.5B-Instruct \
         --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
         --data.chat --reward.fn gsm8k --algo.kl-coef 0.001
@@ -16,9 +17,11 @@ the reward); update the actor with the PPO clipped loss on the sampled responses
 The greedy responses are only the baseline: never trained on, logged as reward/greedy_mean.
 
 Supports: any supported Hugging Face causal LM, jsonl/parquet prompts, rule rewards or
-`module:function`, a k1 KL penalty in the reward, several PPO epochs and mini-batches,
-checkpoints and resume, colocated or split (reference on its own ranks) placement, export.
-Not (yet): reward models in the loop, the paper's clipping of s - b to +-5, multi-turn.
+`module:function`, a reward model in the loop (`--reward.model`, alone or added to the rule with
+`--reward.model-weight`; held-out accuracy stays the rule's), a k1 KL penalty in the reward,
+several PPO epochs and mini-batches, checkpoints and resume, colocated or split placement
+(reference and reward model on their own ranks), export.
+Not (yet): the paper's clipping of s - b to +-5, multi-turn.
 """
 from __future__ import annotations
 
@@ -37,8 +40,7 @@ from hflow.data import PromptSampler
 from hflow.evaluation import evaluate
 from hflow.metrics import Timer
 from hflow.placement import colocate, split
-from hflow.recipe import policy_and_prompts, prompt_batch, rollout_metrics, score
-from hflow.rewards import Scorer
+from hflow.recipe import policy_and_prompts, prompt_batch, Rewards, reward_roles, rollout_metrics
 from hflow.run import Run
 from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
 from hflow.workers.rollout import split_greedy
@@ -93,17 +95,19 @@ def remax_loss(log_probs, mb, entropy=None, *, algo: ReMaxConfig):
 def main(cluster: hflow.Cluster, cfg: Config):
     cfg = resolve_defaults(cfg)
     algo = cfg.algo
-    roles = ["actor", "ref"] if algo.kl_coef > 0 else ["actor"]
-    plan = split([[r] for r in roles], cluster.world_size) if cfg.trainer.placement == "split" \
-        else colocate(roles, cluster.world_size)
+    # split: the models that only read (reference, reward model) on ranks of their own
+    readers = (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward, cfg.model)
+    plan = split([["actor"], readers] if readers else [["actor"]], cluster.world_size) \
+        if cfg.trainer.placement == "split" else colocate(["actor", *readers], cluster.world_size)
     check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]))
     model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
     sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
-    scorer = Scorer(cfg.reward)
+    rewards = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
     actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
     actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
     ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
-    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer, cfg.rollout, cfg.trainer.eval_size)
+    # held-out accuracy is the rule's, also when a reward model (a proxy) gives the training score
+    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, rewards.rule, cfg.rollout, cfg.trainer.eval_size)
     run = Run(cfg.trainer, trained={"actor": actor}, state={"data": sampler}, evaluate=evaluate_now,
               export=(actor, model_dir))
 
@@ -119,8 +123,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
             with timer("generate"):   # the greedy baseline comes from the same weights, in the same engine call
                 rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
                 batch, greedy = split_greedy(actor.generate(prompt_batch(next(sampler)), rollout, with_greedy=True))
-            scores, metrics = score(batch, tokenizer, scorer)
-            greedy_scores, _ = score(greedy, tokenizer, scorer)
+            scores, metrics = rewards(batch)
+            greedy_scores, _ = rewards(greedy)
             mask = batch["response_mask"]
             with timer("log_probs"):
                 refs = ref.log_probs.future(batch, temperature) if ref else None
@@ -145,7 +149,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
         metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
         run.end_step(step, metrics)
     run.finish()
-    scorer.close()
+    rewards.close()
 
 
 if __name__ == "__main__":

@@ -49,14 +49,27 @@ def test_generate_with_greedy(tmp_path):
     assert run.output.count("greedy rows equal transformers' generate") == 2, run.output
 
 
+def reward_model_dir(policy_dir, path) -> str:
+    """A random sequence classifier on the policy's vocabulary (so it scores its token ids)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(policy_dir, num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    return str(path)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("placement", ["colocate", "split"])
 def test_remax_recipe_runs(tiny_model, tmp_path, placement):  # noqa: F811
-    """Two steps with a KL to the reference (split: the reference on its own rank), metrics logged."""
+    """Two steps with a KL to the reference; split: the reference and a reward model (added to
+    the rule) on their own rank. Metrics logged, held-out accuracy by the rule."""
     out = tmp_path / placement
-    torchrun(str(RECIPES / "remax.py"), 2, small_run(tiny_model, out, 2, "--algo.kl-coef", 0.01,
-                                                     "--trainer.placement", placement, "--trainer.no-export"),
-             timeout=400).check()
+    extra = ["--algo.kl-coef", 0.01, "--trainer.placement", placement, "--trainer.no-export"]
+    if placement == "split":
+        extra += ["--reward.model", reward_model_dir(tiny_model, tmp_path / "rm"), "--reward.fn", "arithmetic",
+                  "--reward.model-weight", 0.5]
+    torchrun(str(RECIPES / "remax.py"), 2, small_run(tiny_model, out, 2, *extra), timeout=400).check()
     logged = rows(out)
     assert [r["step"] for r in logged] == [0, 1, 2]
     assert "eval/reward_mean" in logged[0] and "eval/reward_mean" in logged[-1]
@@ -64,3 +77,6 @@ def test_remax_recipe_runs(tiny_model, tmp_path, placement):  # noqa: F811
                 "response_length/mean", "time/generate_s", "time/update_s", "throughput/tokens_per_s"):
         assert key in logged[1], key
     assert abs(logged[1]["kl/mean"]) < 1e-4   # the reference is the policy that sampled step 1
+    if placement == "split":
+        step = logged[1]
+        assert step["reward/mean"] == pytest.approx(step["reward/rule_mean"] + 0.5 * step["reward/rm_mean"], abs=1e-5)
