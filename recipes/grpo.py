@@ -60,10 +60,10 @@ from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, Rew
                           TrainerConfig, by_model, resolve_defaults)
 from hflow.data import PromptSampler
 from hflow.metrics import Timer
-from hflow.placement import colocate, split
+from hflow.placement.auto import job_of
+from hflow.placement.spec import resolve
 from hflow.evaluation import evaluate
-from hflow.recipe import policy_and_prompts, prompt_batch, rollout_metrics, score
-from hflow.rewards import Scorer
+from hflow.recipe import policy_and_prompts, prompt_batch, Rewards, reward_roles, rollout_metrics
 from hflow.run import Run
 from hflow.validation import ConfigError
 from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
@@ -183,7 +183,7 @@ def sample(actor, sampler, tokenizer, scorer, cfg: Config, algo: GRPOConfig, ste
         # a seed per (step, round): a resumed run draws what the uninterrupted one drew
         rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step * rounds + r)
         batch = actor.generate(prompt_batch(next(sampler)), rollout)
-        scores, round_metrics = score(batch, tokenizer, scorer)
+        scores, round_metrics = scorer(batch)
         if r == 0:   # the first round's metrics: the policy's reward, unfiltered
             metrics = round_metrics
         if algo.overlong_buffer:   # DAPO: a soft penalty near the length cap, not a cliff at it
@@ -206,18 +206,20 @@ def sample(actor, sampler, tokenizer, scorer, cfg: Config, algo: GRPOConfig, ste
 def main(cluster: hflow.Cluster, cfg: Config):
     cfg = resolve_defaults(cfg)
     algo = resolve_algo(cfg.algo, cfg.rollout.max_tokens)
-    roles = ["actor", "ref"] if algo.kl_coef > 0 else ["actor"]
-    plan = split([[r] for r in roles], cluster.world_size) if cfg.trainer.placement == "split" \
-        else colocate(roles, cluster.world_size)
+    # split: the models that only read (reference, reward model) on ranks of their own
+    sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward, cfg.model)]
+    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
+    # after the model and prompts: --trainer.placement auto plans from their shapes
+    plan = resolve(cfg.trainer.placement, sets, cluster.world_size, algo="grpo", device_type=cluster.device_type,
+                   job=job_of(cfg, model_dir, train, cluster.device_type))
     dp = len(plan["actor"])
     check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, dp)
-    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
     sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
-    scorer = Scorer(cfg.reward)
+    scorer = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
     actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
     actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
     ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
-    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer, cfg.rollout, cfg.trainer.eval_size)
+    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer.rule, cfg.rollout, cfg.trainer.eval_size)
     run = Run(cfg.trainer, trained={"actor": actor}, state={"data": sampler}, evaluate=evaluate_now,
               export=(actor, model_dir))
 

@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import tyro
 
 import hflow
 from hflow import algos
 from hflow.config import (ActorConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
-                          RolloutConfig, TrainerConfig)
+                          RolloutConfig, TrainerConfig, by_model, resolve_defaults)
 from hflow.data import PromptSampler
 from hflow.metrics import Timer
-from hflow.placement import colocate, split
+from hflow.placement.auto import job_of
+from hflow.placement.spec import resolve
 from hflow.evaluation import evaluate
 from hflow.recipe import policy_and_prompts, prompt_batch, Rewards, reward_roles, rollout_metrics
 from hflow.run import Run
@@ -80,10 +80,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(
-        optim=OptimConfig(lr=1e-4), max_tokens_per_micro_batch=8192))
+        optim=OptimConfig(lr=by_model(1e-4, 1e-6)), max_tokens_per_micro_batch=8192))
     critic: CriticConfig = field(default_factory=lambda: CriticConfig(
-        optim=OptimConfig(lr=2e-3), max_tokens_per_micro_batch=8192))
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=5))
+        optim=OptimConfig(lr=by_model(2e-3, 1e-5)), max_tokens_per_micro_batch=8192))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=by_model(5, 512)))
     algo: PPOConfig = field(default_factory=PPOConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
         steps=150, eval_every=50, output_dir="outputs/ppo"))
@@ -111,14 +111,16 @@ def critic_loss(values, mb, *, algo: PPOConfig):
 
 
 def main(cluster: hflow.Cluster, cfg: Config):
+    cfg = resolve_defaults(cfg)   # the toy values for the embedded default, the usual ones for --model.path
     algo = cfg.algo
     # a reward model sits with the critic: when split, both work while the actor generates or trains
     sets = [["actor", "ref"] if algo.kl_coef > 0 else ["actor"], ["critic"] + reward_roles(cfg.reward, cfg.model)]
-    plan = split(sets, cluster.world_size) if cfg.trainer.placement == "split" \
-        else colocate([r for s in sets for r in s], cluster.world_size)
+    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
+    # after the model and prompts: --trainer.placement auto plans from their shapes
+    plan = resolve(cfg.trainer.placement, sets, cluster.world_size, algo="ppo", device_type=cluster.device_type,
+                   job=job_of(cfg, model_dir, train, cluster.device_type))
     check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]), "actor")
     check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.critic.mini_batch_size, len(plan["critic"]), "critic")
-    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
     sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     rewards = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
     kl_ctrl = algos.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) \
@@ -182,4 +184,4 @@ def main(cluster: hflow.Cluster, cfg: Config):
 
 
 if __name__ == "__main__":
-    hflow.launch(main, tyro.cli(Config))
+    hflow.launch(main, Config)   # rank 0 parses and checks the flags

@@ -39,7 +39,8 @@ from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, Rew
 from hflow.data import PromptSampler
 from hflow.evaluation import evaluate
 from hflow.metrics import Timer
-from hflow.placement import colocate, split
+from hflow.placement.auto import job_of
+from hflow.placement.spec import resolve
 from hflow.recipe import policy_and_prompts, prompt_batch, Rewards, reward_roles, rollout_metrics
 from hflow.run import Run
 from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
@@ -96,11 +97,12 @@ def main(cluster: hflow.Cluster, cfg: Config):
     cfg = resolve_defaults(cfg)
     algo = cfg.algo
     # split: the models that only read (reference, reward model) on ranks of their own
-    readers = (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward, cfg.model)
-    plan = split([["actor"], readers] if readers else [["actor"]], cluster.world_size) \
-        if cfg.trainer.placement == "split" else colocate(["actor", *readers], cluster.world_size)
-    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]))
+    sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward, cfg.model)]
     model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
+    # after the model and prompts: --trainer.placement auto plans from their shapes
+    plan = resolve(cfg.trainer.placement, sets, cluster.world_size, algo="remax", device_type=cluster.device_type,
+                   job=job_of(cfg, model_dir, train, cluster.device_type))
+    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]))
     sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     rewards = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
     actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
