@@ -97,6 +97,7 @@ class Rewards:
         from hflow.preference import default_reward_model   # here: hflow.preference imports hflow.default_model, which imports this module
         self.cfg, self.tokenizer, self.rule = cfg, tokenizer, Scorer(cfg)
         self.model = None
+        self.equal_batches = 0   # batches so far whose responses all scored alike (the first few only)
         if cfg.model:
             path = default_reward_model(cluster, "reward", size=model.default_size, seed=model.default_seed) \
                 if cfg.model == "default" else Path(cfg.model)
@@ -111,12 +112,31 @@ class Rewards:
             if self.model else None
         rule, metrics = score(batch, self.tokenizer, self.rule)
         if pending is None:
+            self.warn_if_no_signal(rule)
             return rule, metrics
         rm = pending.result()["rm_scores"]
         scores = self.cfg.model_weight * rm + (rule if self.cfg.fn else 0.0)
+        self.warn_if_no_signal(scores)
         metrics["reward/rule_mean"] = metrics.pop("reward/mean")
         return scores, metrics | {"reward/mean": scores.mean().item(), "reward/rm_mean": rm.mean().item(),
                                   "reward/rm_std": rm.std().item() if len(rm) > 1 else 0.0}
+
+    def warn_if_no_signal(self, scores: torch.Tensor, first: int = 3) -> None:
+        """Say so when every response of each of the first `first` batches scored the same: the
+        advantages are all 0 and nothing is learned, which looks like a broken reward function
+        but is usually the prompts."""
+        if self.equal_batches < 0 or len(scores) == 0:
+            return
+        if scores.min() != scores.max():
+            self.equal_batches = -1          # a signal came: never warn
+            return
+        self.equal_batches += 1
+        if self.equal_batches == first:
+            print(f"hflow: warning: every response scored {scores[0].item():g} in each of the first {first} "
+                  f"batches, so every advantage is 0 and GRPO/PPO learn nothing. Likely causes: prompts in a "
+                  f"format the model does not know (the embedded default wants bare '27+82=' prompts, not a "
+                  f"chat template: drop --data.chat), --rollout.max-tokens too short to finish an answer, or "
+                  f"a --data.answer-key column that is not the answer --reward.fn expects.", flush=True)
 
     def close(self) -> None:
         self.rule.close()
