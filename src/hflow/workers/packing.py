@@ -70,21 +70,22 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     sizes, buckets = hflow_packing
     if not buckets:   # an empty micro-batch
         return query.transpose(1, 2), None
-    pieces = zip(*(x[0].split(sizes, dim=1) for x in (query, key, value))) if len(buckets) > 1 \
-        else [(query[0], key[0], value[0])]
+    # token-major [T, h, D] views: transformers' q/k/v are [1, h, T, D] transposes of [1, T, h, D]
+    # memory, so gathering and scattering along T keeps SDPA's preferred layout with no copy
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    pieces = zip(*(x.split(sizes) for x in (q, k, v))) if len(buckets) > 1 else [(q, k, v)]
     outs = []
-    for bucket, (q, k, v) in zip(buckets, pieces):
+    for bucket, (qb, kb, vb) in zip(buckets, pieces):
         b, L = bucket.gather.shape
 
-        def padded(x):  # [h, T_bucket, D] -> [b, h, L, D]
-            return x.index_select(1, bucket.gather.flatten()).view(x.shape[0], b, L, x.shape[2]).transpose(0, 1)
+        def padded(x):  # [T_bucket, h, D] -> [b, h, L, D]
+            return x.index_select(0, bucket.gather.flatten()).view(b, L, *x.shape[1:]).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True,
+        out = F.scaled_dot_product_attention(padded(qb), padded(kb), padded(vb), is_causal=True,
                                              scale=scaling, enable_gqa=True)   # [b, H, L, D]
-        H, D = out.shape[1], out.shape[3]
-        outs.append(out.transpose(0, 1).reshape(H, b * L, D).index_select(1, bucket.scatter))   # [H, T_b, D]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+        outs.append(out.transpose(1, 2).reshape(b * L, out.shape[1], out.shape[3]).index_select(0, bucket.scatter))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)   # [T, H, D]
+    return out.unsqueeze(0), None
 
 
 def register_attention() -> str:
