@@ -41,3 +41,10 @@ def test_a_batch_with_a_signal_silences_the_warning(tmp_path, capsys):
         rewards(rollout(tokenizer, ["5", "7"], [42, 42]))
     assert "warning" not in capsys.readouterr().out
     rewards.close()
+
+
+def test_a_reward_module_that_is_not_importable_says_how_to_fix_sys_path():
+    import pytest
+    from hflow.rewards import get_reward_fn
+    with pytest.raises(ValueError, match="cannot import module 'mymod_not_here'.*PYTHONPATH=."):
+        get_reward_fn("mymod_not_here:score")

@@ -65,7 +65,10 @@ def _import_spec(spec: str) -> ScoreFn:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} ({e})") from e
+        hint = ("; torchrun does not put the working directory on sys.path: run with PYTHONPATH=. "
+                "(or the module's folder), or pip install your package") \
+            if isinstance(e, ModuleNotFoundError) and e.name == module_name.split(".")[0] else ""
+        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} ({e}){hint}") from e
     fn: Any = module
     for part in attr.split("."):
         if not hasattr(fn, part):
