@@ -129,7 +129,9 @@ class _Worker:
 
     def kill(self):
         self.process.kill()
-        self.process.join(timeout=5)
+        # SIGKILL always ends it; on a loaded machine reaping can take seconds, and a worker not
+        # yet reaped would outlive the pool
+        self.process.join(timeout=30)
         self.conn.close()
 
     def stop(self):
