@@ -40,7 +40,6 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-import tyro
 from transformers import AutoTokenizer
 
 import hflow
@@ -103,4 +102,4 @@ def main(cluster: hflow.Cluster, cfg: Config):
 
 
 if __name__ == "__main__":
-    hflow.launch(main, tyro.cli(Config))
+    hflow.launch(main, Config)   # rank 0 parses and checks the flags
