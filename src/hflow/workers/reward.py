@@ -88,7 +88,7 @@ class RewardModel(ModelWorker):
     def micro_batches(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Training keeps a pair's two rows in one micro-batch: the pairs are split as the base
         class splits rows (each pair's tokens counted together), then each becomes its 2 rows."""
-        if "chosen" not in tensors:
+        if "chosen" not in tensors or len(tensors["chosen"]) % 2:   # scoring a share cut mid-pair: rows will do
             return super().micro_batches(tensors)
         mask = tensors["attention_mask"]
         pairs = super().micro_batches({"attention_mask": torch.cat([mask[0::2], mask[1::2]], dim=1)})
