@@ -390,8 +390,10 @@ def value_loss(values, old_values, returns, mask, clip=0.5, agg="token-mean"):
 def entropy_from_logits(logits):
     """Entropy of softmax(logits) over the last dim: H = logsumexp(z) − Σ softmax(z)·z.
 
-    [..., V] -> [...]; differentiable. Logits must be finite (no −inf masking).
+    [..., V] -> [...] in fp32; differentiable. Logits must be finite (no −inf masking). 16-bit
+    logits are upcast first: the sum over a large vocabulary loses ~3 digits in bf16.
     """
+    logits = logits.float()
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 

@@ -1,6 +1,7 @@
 """python -m hflow.engine --model DIR --prompt "..."  — print completions of a prompt.
 
-Uses the tokenizer saved in DIR; greedy unless --temperature > 0.
+Uses the tokenizer saved in DIR; greedy unless --temperature > 0. Weights and KV cache in
+bf16 on CUDA and fp32 on CPU unless --dtype says otherwise.
 """
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ import sys
 import time
 
 import torch
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """bf16 on GPUs (their matmul units; fp32 would double memory and time), fp32 on CPU (no
+    fast bf16 there)."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
 def main(argv=None) -> None:
@@ -22,7 +29,8 @@ def main(argv=None) -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--n", type=int, default=1, help="completions per prompt")
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
 
@@ -31,7 +39,7 @@ def main(argv=None) -> None:
     from hflow.engine import LLM, SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    llm = LLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    llm = LLM.from_pretrained(args.model, dtype=default_dtype(args.device) if args.dtype == "auto" else getattr(torch, args.dtype), device=args.device)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     prompts = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in args.prompt]

@@ -94,6 +94,13 @@ def mixed_precision(cfg: FSDPConfig, device: torch.device) -> MixedPrecisionPoli
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[cfg.reduce_dtype])
 
 
+def storage_dtype(cfg: FSDPConfig, device: torch.device, trainable: bool) -> torch.dtype:
+    """The dtype a model's sharded parameters are kept in: fp32 master weights for a model the
+    optimizer updates; the compute dtype for a frozen one (reference, frozen reward model),
+    which FSDP would otherwise cast on every forward from fp32 shards twice the size."""
+    return torch.float32 if trainable else (mixed_precision(cfg, device).param_dtype or torch.float32)
+
+
 @contextlib.contextmanager
 def params_on_meta():
     """Parameters on the meta device, buffers for real.
@@ -287,7 +294,8 @@ def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causa
     without_dropout(config)
     with params_on_meta():
         # every pass of a worker runs on packed sequences (hflow/workers/packing.py)
-        model = auto.from_config(config, dtype=torch.float32, attn_implementation=register_attention())
+        model = auto.from_config(config, dtype=storage_dtype(cfg, device_of(mesh), trainable),
+                                 attn_implementation=register_attention())
     for module in model.modules():   # any dropout the config does not name
         if isinstance(module, nn.Dropout):
             module.p = 0.0

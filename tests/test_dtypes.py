@@ -1,0 +1,67 @@
+"""Dtypes on the GPU path, checked on CPU: frozen models are built in the compute dtype while
+trainable ones keep fp32 masters; entropy is computed in fp32; the engine CLI's default dtype."""
+import pytest
+import torch
+from dist import torchrun
+from test_fsdp import TESTS_ENV, tiny_model_dir
+
+from hflow.algos import entropy_from_logits
+from hflow.engine.__main__ import default_dtype
+
+FROZEN = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from hflow.workers.fsdp import FSDPConfig, build_model, reshard, storage_dtype
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+cfg = FSDPConfig(param_dtype="bfloat16")   # the GPU default ("auto"), asked for on CPU
+assert storage_dtype(FSDPConfig(), torch.device("cuda", 0), False) == torch.bfloat16
+assert storage_dtype(FSDPConfig(), torch.device("cpu"), False) == torch.float32
+frozen = build_model(sys.argv[1], mesh, cfg, trainable=False)
+trained = build_model(sys.argv[1], mesh, cfg, trainable=True)
+reward = build_model(sys.argv[1], mesh, cfg, kind="reward", trainable=False)
+dtypes = lambda m: {p.to_local().dtype for p in m.parameters()}
+assert dtypes(frozen) == dtypes(reward) == {torch.bfloat16}, (dtypes(frozen), dtypes(reward))
+assert dtypes(trained) == {torch.float32}, dtypes(trained)
+assert not any(p.requires_grad for p in frozen.parameters())
+# the same bf16 forward: rounding at load == FSDP's cast of the fp32 masters at each forward
+from hflow.workers.packing import pack
+from test_fsdp import random_rollouts
+inputs = pack(random_rollouts(2, 2, 101, seed=1)).model_inputs()
+with torch.no_grad():
+    a, b = frozen(**inputs).logits, trained(**inputs).logits
+reshard(frozen), reshard(trained)
+assert a.dtype == b.dtype == torch.bfloat16
+assert torch.equal(a, b), (a - b).abs().max()
+frozen_bytes = sum(p.to_local().nbytes for p in frozen.parameters())
+trained_bytes = sum(p.to_local().nbytes for p in trained.parameters())
+print("frozen bytes", frozen_bytes, "trainable bytes", trained_bytes, flush=True)
+assert 2 * frozen_bytes == trained_bytes
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.dist
+def test_frozen_models_are_built_in_the_compute_dtype(tmp_path):
+    path = tiny_model_dir(tmp_path / "model")
+    run = torchrun(FROZEN, nproc=1, args=[path], tmp_path=tmp_path, timeout=300, env=TESTS_ENV).check()
+    assert "frozen bytes" in run.output
+
+
+def test_entropy_is_computed_in_fp32():
+    torch.manual_seed(0)
+    logits = (torch.randn(4, 7, 32000) * 3).to(torch.bfloat16)
+    h = entropy_from_logits(logits)
+    assert h.dtype == torch.float32
+    logp = torch.log_softmax(logits.double(), -1)
+    exact = -(logp.exp() * logp).sum(-1)
+    assert (h.double() - exact).abs().max() < 1e-4
+    # the same formula in bf16 is off by far more: the reason for the upcast
+    z = logits
+    in_bf16 = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+    assert (in_bf16.double() - exact).abs().max() > 1e-2
+
+
+def test_engine_cli_defaults_to_bf16_on_cuda_and_fp32_on_cpu():
+    assert default_dtype("cuda") == default_dtype("cuda:1") == torch.bfloat16
+    assert default_dtype("cpu") == torch.float32
