@@ -44,7 +44,7 @@ import tyro
 
 from . import transport
 from .batch import Batch
-from .dispatch import RankGrid, gather, mode_of, scatter
+from .dispatch import RankGrid, balances, gather, mode_of, scatter
 from .parallel import pick_device, set_device
 from .validation import ConfigError, UserError, check_config, notices, prepare_output_dir
 from .server import Call, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
@@ -109,15 +109,15 @@ class Future:
 class RemoteMethod:
     """`group.method(*args)` blocks; `group.method.future(*args)` returns a Future."""
 
-    def __init__(self, group: "WorkerGroup", name: str, mode: str):
-        self.group, self.name, self.mode = group, name, mode
+    def __init__(self, group: "WorkerGroup", name: str, mode: str, balance: bool = False):
+        self.group, self.name, self.mode, self.balance = group, name, mode, balance
 
     def __call__(self, *args, **kwargs):
         return self.future(*args, **kwargs).result()
 
     def future(self, *args, **kwargs) -> Future:
         g = self.group
-        calls, ctx = scatter(self.mode, g.grid, to_cpu(args), to_cpu(kwargs))
+        calls, ctx = scatter(self.mode, g.grid, to_cpu(args), to_cpu(kwargs), self.balance)
         tasks = {c.rank: Call(g.group_id, self.name, c.args, c.kwargs, c.returns) for c in calls}
         return g.cluster._issue(f"{g.worker_class.__name__}.{self.name}", tasks,
                                 lambda parts: gather(self.mode, g.grid, ctx, parts))
@@ -161,7 +161,7 @@ class WorkerGroup:
             raise AttributeError(f"{self.worker_class.__name__}.{name} is not callable from the "
                                  f"controller: decorate it with @dispatch('all'|'dp'|'one') "
                                  f"(from hflow.dispatch import dispatch)")
-        return RemoteMethod(self, name, mode)
+        return RemoteMethod(self, name, mode, balances(fn))
 
     def __dir__(self):
         return [n for n in dir(self.worker_class) if mode_of(getattr(self.worker_class, n, None))]

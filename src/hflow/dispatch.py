@@ -23,6 +23,14 @@ A worker method declares its mode with a decorator:
     shard may return k rows per input row (e.g. n samples per prompt), grouped by input row as
     `Batch.repeat(k, interleave=True)` lays them out; the padding's k*p rows are dropped;
   - any other result comes back as a list with one entry per dp shard.
+
+`@dispatch("dp", balance=True)` also evens out the work: FSDP syncs every layer, so the rank
+with the most tokens sets the pace of a forward or an update. Before cutting, rows are swapped
+between shards, by tokens (the Batch's attention_mask), and only among rows at the same position
+of their shards: a row keeps its position i in its shard, so it stays in mini-batch i % M for
+every M (the strided mini-batches of `layout.minibatch_rows` are the same sets with or without
+balancing, on any number of ranks). Batch results come back in the caller's order. Only for
+methods whose rows are independent (not pairs or groups that must stay on one rank).
 """
 from __future__ import annotations
 
@@ -39,19 +47,47 @@ MODES = ("all", "dp", "one")
 _ATTR = "__hflow_dispatch__"
 
 
-def dispatch(mode: str) -> Callable:
-    """Mark a worker method as callable from the controller, dispatched by `mode`."""
+def dispatch(mode: str, balance: bool = False) -> Callable:
+    """Mark a worker method as callable from the controller, dispatched by `mode`; `balance`
+    (mode "dp" only) evens out the tokens of the shards (see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"dispatch mode must be one of {MODES}, got {mode!r}")
+    if balance and mode != "dp":
+        raise ValueError(f"balance applies to dispatch mode 'dp', not {mode!r}")
 
     def mark(fn):
-        setattr(fn, _ATTR, mode)
+        setattr(fn, _ATTR, (mode, balance))
         return fn
     return mark
 
 
 def mode_of(fn) -> str | None:
-    return getattr(fn, _ATTR, None)
+    return getattr(fn, _ATTR, (None,))[0]
+
+
+def balances(fn) -> bool:
+    return getattr(fn, _ATTR, (None, False))[1]
+
+
+def balanced_order(lengths: list[int], shards: int) -> list[int]:
+    """A row order for cutting `len(lengths)` rows into `shards` equal contiguous shards whose
+    total lengths are close: order[j] is the row placed at j. Rows only trade places with the
+    rows at the same position of the other shards (order[j] % m == j % m, m rows a shard).
+
+    Greedy, position by position: the longest of the position's rows goes to the shard that is
+    lightest so far, and so on; the spread between shards never exceeds the longest row."""
+    if len(lengths) % shards:
+        raise ValueError(f"{len(lengths)} rows do not cut into {shards} equal shards")
+    m = len(lengths) // shards
+    load = [0] * shards
+    order = list(range(len(lengths)))
+    for i in range(m):
+        rows = sorted((r * m + i for r in range(shards)), key=lambda row: -lengths[row])
+        lightest = sorted(range(shards), key=lambda r: load[r])
+        for row, shard in zip(rows, lightest):
+            order[shard * m + i] = row
+            load[shard] += lengths[row]
+    return order
 
 
 @dataclass(frozen=True)
@@ -124,7 +160,14 @@ class RankCall:
     returns: bool          # False: run it, but send back nothing (a tp peer's duplicate)
 
 
-def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict) -> tuple[list[RankCall], Any]:
+@dataclass(frozen=True)
+class _DpContext:
+    rows: int | None               # the caller's Batch length (None: no Batch argument)
+    order: list[int] | None        # balanced_order of the padded rows, or None (as they came)
+
+
+def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict,
+            balance: bool = False) -> tuple[list[RankCall], Any]:
     """Per-rank arguments for a call, plus the context `gather` needs."""
     if mode == "all":
         return [RankCall(r, args, kwargs, True) for r in grid.ranks], None
@@ -141,9 +184,15 @@ def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict) -> tuple[list[
         raise ValueError(f"dispatch 'dp': Batch arguments have different lengths {lengths}")
     n_rows = lengths.pop() if lengths else None
 
+    order = None
+    sized = [b for _, b in batch_args + batch_kwargs if "attention_mask" in b]
+    if balance and n_shards > 1 and sized:
+        padded, _ = sized[0].pad(n_shards)
+        order = balanced_order(padded["attention_mask"].sum(-1).tolist(), n_shards)
+
     def shards(b: Batch) -> list[Batch]:
         padded, _ = b.pad(n_shards)
-        return padded.split(n_shards)
+        return (padded if order is None else padded[order]).split(n_shards)
     arg_shards = {i: shards(b) for i, b in batch_args}
     kwarg_shards = {k: shards(b) for k, b in batch_kwargs}
 
@@ -155,10 +204,10 @@ def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict) -> tuple[list[
         rank_kwargs = {k: kwarg_shards[k][d] if k in kwarg_shards else a
                        for k, a in kwargs.items()}
         calls.append(RankCall(rank, rank_args, rank_kwargs, rank in leaders))
-    return calls, n_rows
+    return calls, _DpContext(n_rows, order)
 
 
-def gather(mode: str, grid: RankGrid, n_rows, results: dict[int, Any]) -> Any:
+def gather(mode: str, grid: RankGrid, context, results: dict[int, Any]) -> Any:
     """Combine per-rank results (rank -> value) into what the controller's call returns."""
     if mode == "all":
         return [results[r] for r in grid.ranks]
@@ -166,9 +215,12 @@ def gather(mode: str, grid: RankGrid, n_rows, results: dict[int, Any]) -> Any:
         return results[grid.ranks[0]]
 
     outs = [results[r] for r in grid.dp_leaders()]
+    n_rows = context.rows
     if n_rows is None or not all(isinstance(o, Batch) for o in outs):
         return outs
     shard_rows = -(-n_rows // len(outs))                       # m = ceil(N / D)
+    if context.order is not None:
+        return _unbalance(outs, shard_rows, n_rows, context.order)
     kept = []
     for i, out in enumerate(outs):
         real = min(max(n_rows - i * shard_rows, 0), shard_rows)  # rows of shard i not padding
@@ -182,3 +234,16 @@ def gather(mode: str, grid: RankGrid, n_rows, results: dict[int, Any]) -> Any:
                              f"the dp size {len(outs)}")
         kept.append(out[:real * (len(out) // shard_rows)])
     return Batch.concat(kept)
+
+
+def _unbalance(outs: list[Batch], shard_rows: int, n_rows: int, order: list[int]) -> Batch:
+    """The shards' results of a balanced call in the caller's row order, padding dropped."""
+    if len({len(out) for out in outs}) > 1 or len(outs[0]) % shard_rows:
+        raise ValueError(f"dispatch 'dp' with balance: each shard got {shard_rows} rows and they "
+                         f"returned {[len(out) for out in outs]}, not one multiple k of that, so "
+                         f"the rows cannot be put back in order; return k rows per input row")
+    per_row = len(outs[0]) // shard_rows                          # k
+    at = torch.empty(len(order), dtype=torch.long)               # the result of padded row order[j] is at j
+    at[torch.tensor(order)] = torch.arange(len(order))
+    out = Batch.concat(outs)[(at[:, None] * per_row + torch.arange(per_row)).flatten()]
+    return out[:n_rows * per_row]                                 # the padding is last

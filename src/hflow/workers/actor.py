@@ -61,7 +61,7 @@ class Actor(ModelWorker):
         logp, entropy = layout.token_log_probs(out.logits[0], packed.targets, temperature, with_entropy)
         return packed.unpack(logp), None if entropy is None else packed.unpack(entropy)
 
-    @dispatch("dp")
+    @dispatch("dp", balance=True)
     @torch.no_grad()
     def log_probs(self, batch, temperature: float = 1.0, with_entropy: bool = False,
                   key: str | None = None) -> Batch:
@@ -78,7 +78,7 @@ class Actor(ModelWorker):
 
         return Batch(self.forward_rows(as_tensors(batch), forward))
 
-    @dispatch("dp")
+    @dispatch("dp", balance=True)
     def update(self, batch, loss_fn: Callable, temperature: float | None = None,
                with_entropy: bool = False, loss_agg: str = "token-mean") -> dict[str, float]:
         """Train on a batch: `cfg.epochs` passes, one optimizer step per mini-batch. The

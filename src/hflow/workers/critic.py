@@ -47,14 +47,14 @@ class Critic(ModelWorker):
         out = self.model(**packed.model_inputs())
         return packed.unpack(out.logits[0, packed.predict_at, 0].float())
 
-    @dispatch("dp")
+    @dispatch("dp", balance=True)
     @torch.no_grad()
     def values(self, batch) -> Batch:
         """{"values": [B, R]}, 0 outside response_mask."""
         self.model.eval()
         return Batch(self.forward_rows(as_tensors(batch), lambda mb: {"values": self._values(layout.trim_padding(mb))}))
 
-    @dispatch("dp")
+    @dispatch("dp", balance=True)
     def update(self, batch, loss_fn: Callable, loss_agg: str = "token-mean") -> dict[str, float]:
         """Train on a batch (epochs x mini-batches as the Actor); loss_fn(values [b, r],
         micro_batch) -> (loss, metrics), aggregated as `loss_agg` (see Actor.update).
