@@ -417,3 +417,27 @@ def test_cli_prints_a_completion(saved, tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == tokenizer.decode(ref, skip_special_tokens=True).strip()
     assert run.stdout.strip()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_masked_prefill_folds_query_groups(heads, kv_heads, window):
+    """Prefill over a cached prefix (or a window) folds the query heads onto their KV head, so
+    the mask never meets enable_gqa (CUDA's fast kernels refuse that pair): the same values as
+    SDPA with enable_gqa and the mask, and as a causal mask on K/V expanded per query head."""
+    from hflow.engine.attention import _causal_mask, masked_prefill_attention
+
+    torch.manual_seed(0)
+    q_len, ctx, d = 7, 19, 16
+    q = torch.randn(q_len, heads, d)
+    k, v = torch.randn(1, kv_heads, ctx, d), torch.randn(1, kv_heads, ctx, d)
+    got = masked_prefill_attention(q, k, v, ctx, window, d ** -0.5)
+    mask = _causal_mask(q_len, ctx, window, "cpu")
+    gqa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+    g = heads // kv_heads
+    expanded = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask,
+        scale=d ** -0.5)[0].transpose(0, 1)
+    torch.testing.assert_close(got, gqa, rtol=0, atol=2e-6)
+    torch.testing.assert_close(got, expanded, rtol=0, atol=2e-6)

@@ -12,7 +12,8 @@ longest context, and runs one SDPA call. The cut points minimise
     sum over buckets (rows x padded length) + overhead x number of buckets
 (a tiny dynamic programme over the distinct block counts), i.e. the bytes read plus a fixed
 price per extra call. Prefill runs one SDPA call per sequence: the fresh K/V directly when
-nothing was cached, otherwise the gathered context with a bottom-right causal mask.
+nothing was cached (is_causal), otherwise the gathered context with a bottom-right causal mask,
+query heads folded onto their KV head so that the mask never comes with enable_gqa.
 """
 from __future__ import annotations
 
@@ -174,10 +175,10 @@ def _decode(q, k_cache, v_cache, buckets, scale, window):
 
 def _prefill(q, k, v, k_cache, v_cache, seqs, workspace, scale, window):
     _, block_size, kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // kv_heads
     out = torch.empty_like(q)
     for s in seqs:
         rows = slice(s.q_start, s.q_start + s.q_len)
-        qs = q[rows].transpose(0, 1)[None]                   # [1, heads, q_len, head_dim]
         if s.block_index is None:                            # nothing cached: the fresh K/V
             ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
         else:
@@ -185,17 +186,38 @@ def _prefill(q, k, v, k_cache, v_cache, seqs, workspace, scale, window):
             ks = _gather(k_cache, s.block_index, workspace, 0).view(n, kv_heads, head_dim)[:s.ctx_len]
             vs = _gather(v_cache, s.block_index, workspace, 1).view(n, kv_heads, head_dim)[:s.ctx_len]
             ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]
-        causal_only = s.block_index is None and (window is None or window >= s.ctx_len)
-        mask = None if causal_only else _causal_mask(s.q_len, s.ctx_len, window, q.device)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal_only,
-                                           scale=scale, enable_gqa=True)
-        out[rows] = o[0].transpose(0, 1)
+        if s.block_index is None and (window is None or window >= s.ctx_len):  # plain causal
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], ks, vs, is_causal=True,
+                                               scale=scale, enable_gqa=group > 1)
+            out[rows] = o[0].transpose(0, 1)
+        else:
+            out[rows] = masked_prefill_attention(q[rows], ks, vs, s.ctx_len, window, scale)
     return out
 
 
-def _causal_mask(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor:
-    """[q_len, ctx_len] True where query i (at position ctx_len - q_len + i) sees key j."""
-    qpos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+def masked_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
+                             window: int | None, scale: float) -> torch.Tensor:
+    """q [q_len, heads, head_dim] at positions ctx_len - q_len .. ctx_len - 1, k/v [1, kv_heads,
+    ctx_len, head_dim] -> [q_len, heads, head_dim], bottom-right causal (within `window`).
+
+    As in _decode, the G query heads of a KV head become G x q_len query rows of that head: a
+    mask never meets enable_gqa, which on CUDA leaves only the math kernel (a [heads, q_len,
+    ctx_len] score matrix); folded, the memory-efficient kernel takes the mask.
+    """
+    q_len, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    g = heads // kv_heads
+    # row r * q_len + i of KV head h is query i of head h * g + r
+    qf = q.view(q_len, kv_heads, g, head_dim).permute(1, 2, 0, 3).reshape(1, kv_heads, g * q_len, head_dim)
+    mask = _causal_mask(q_len, ctx_len, window, q.device, repeat=g)
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    return o.view(kv_heads, g, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, heads, head_dim)
+
+
+def _causal_mask(q_len: int, ctx_len: int, window: int | None, device, repeat: int = 1) -> torch.Tensor:
+    """[repeat * q_len, ctx_len] True where query i (at position ctx_len - q_len + i; rows
+    repeated `repeat` times) sees key j."""
+    qpos = torch.arange(ctx_len - q_len, ctx_len, device=device).repeat(repeat)[:, None]
     kpos = torch.arange(ctx_len, device=device)[None, :]
     visible = kpos <= qpos
     if window is not None:
