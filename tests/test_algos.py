@@ -524,3 +524,26 @@ def test_adaptive_kl_controller_by_hand():
     assert resumed.value == c.value and isinstance(state["value"], float)
     with pytest.raises(ValueError):
         algos.AdaptiveKLController(0.1, 0.0, 10000)
+
+
+# --------------------------------------------------------------------------------- critic diagnostics
+
+def test_explained_variance_by_hand():
+    # masked-in returns 1, 0, 1, 0 (mean ½, variance ¼); padding holds garbage
+    returns = torch.tensor([[1.0, 1.0, NAN], [0.0, 0.0, 7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    perfect = returns.clone()
+    assert algos.explained_variance(perfect, returns, mask) == pytest.approx(1.0)
+    assert algos.explained_variance(perfect + 3.0, returns, mask) == pytest.approx(1.0)   # an offset costs nothing
+    assert algos.explained_variance(torch.full_like(returns, 0.5), returns, mask) == pytest.approx(0.0)
+    # V = 0.75, 0.75, 0.25, 0.25: errors ±¼, variance 1/16 -> EV = 1 − (1/16)/(1/4) = ¾
+    half_way = torch.tensor([[0.75, 0.75, NAN], [0.25, 0.25, -5.0]])
+    assert algos.explained_variance(half_way, returns, mask) == pytest.approx(0.75)
+    # the wrong way round: V = 0, 0, 1, 1: errors 1, 1, −1, −1, variance 1 -> EV = 1 − 1/¼ = −3
+    backwards = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    assert algos.explained_variance(backwards, returns, mask) == pytest.approx(-3.0)
+    # returns that do not vary: 1 when the error does not either, else 0 (no division by 0)
+    flat = torch.ones(2, 3)
+    assert algos.explained_variance(torch.zeros(2, 3), flat, mask) == 1.0
+    assert algos.explained_variance(half_way.nan_to_num(), flat, mask) == 0.0
+    assert isinstance(algos.explained_variance(half_way, returns, mask), float)

@@ -24,7 +24,7 @@ __all__ = [
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "groups_with_varied_scores",
     "overlong_penalty", "kl_penalty", "policy_loss", "gspo_policy_loss", "value_loss",
     "entropy_from_logits", "FixedKLController", "AdaptiveKLController", "AGG_MODES",
-    "KL_KINDS",
+    "KL_KINDS", "explained_variance",
 ]
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -442,3 +442,28 @@ class AdaptiveKLController:
     def load_state_dict(self, state):
         self.value = float(state["value"])
 
+
+
+# ---------------------------------------------------------------------------------------------
+# critic diagnostics
+
+
+@torch.no_grad()
+def explained_variance(values, returns, mask):
+    """How much of the returns' spread the values predict (verl's critic/vf_explained_var):
+
+    EV = 1 − Var(R − V) / Var(R)   over the masked-in tokens.
+    1: V predicts R exactly; 0: no better than a constant; < 0: worse than one. A constant
+    offset in V costs nothing (it is a variance of the error, not its mean square). Where the
+    returns do not vary at all, EV is 1 if the error does not vary either, else 0 (as
+    scikit-learn's explained_variance_score), not a division by 0. A Python float.
+    """
+    m = torch.broadcast_to(mask.bool(), returns.shape)
+
+    def variance(x):   # the biased masked variance: the (n − 1) / n factors would cancel in the ratio
+        return masked_mean((x - masked_mean(x, m)).square(), m)
+
+    var_returns, var_error = variance(returns), variance(returns - values)
+    if var_returns == 0:
+        return 1.0 if var_error == 0 else 0.0
+    return (1 - var_error / var_returns).item()
