@@ -16,6 +16,9 @@ from hflow.engine.sampler import sample
 from hflow.engine.sequence import Sequence
 
 VOCAB, EOS = 96, 2
+# HFLOW_DEVICE=cuda runs the engine of these tests on a GPU (scripts/gpu_check.sh); the
+# transformers oracles stay on CPU in fp32
+DEVICE = torch.device(os.environ.get("HFLOW_DEVICE", "cpu"))
 PROMPT_LENGTHS = list(range(1, 65))
 
 
@@ -441,3 +444,81 @@ def test_masked_prefill_folds_query_groups(heads, kv_heads, window):
         scale=d ** -0.5)[0].transpose(0, 1)
     torch.testing.assert_close(got, gqa, rtol=0, atol=2e-6)
     torch.testing.assert_close(got, expanded, rtol=0, atol=2e-6)
+
+
+# Tensor calls that wait for the device or copy between host and device
+SYNCING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "cuda", "numpy",
+           "tensor", "as_tensor", "pin_memory", "copy_", "masked_select"}
+
+
+def test_a_step_copies_once_each_way(saved):
+    """A step sends its metadata to the device in one copy and gets its tokens back in one;
+    nothing else in the step waits for the device or moves data (a function mode sees every
+    tensor call). Covered: prefill with shared prompts (follower block copies), a cached
+    prefix after preemption, decode buckets with and without masks, a sliding window, and
+    the sampler's plain, mixed (greedy + sampled) and filtered paths. On CUDA, torch's sync
+    debug mode must also see exactly one synchronising call per step."""
+    import warnings
+
+    from torch.overrides import TorchFunctionMode
+
+    class Watch(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.allowed = [], 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", str(func))
+            kwargs = kwargs or {}
+            moves = name == "to" and (kwargs.get("device") is not None or any(
+                isinstance(a, (str, torch.device)) for a in args[1:]))
+            if not self.allowed and (name in SYNCING or moves):
+                self.calls.append(name)
+            return func(*args, **kwargs)
+
+    for arch, opts in (("mistral", {}), ("llama", {"num_kv_blocks": 9})):
+        path, _ = saved[arch]
+        llm = LLM.from_pretrained(path, device=DEVICE, **opts)
+        runner, watch, steps = llm.runner, Watch(), []
+
+        def allowed(fn):
+            def wrapped(*args):
+                watch.allowed += 1
+                try:
+                    return fn(*args)
+                finally:
+                    watch.allowed -= 1
+            return wrapped
+        runner.to_device, runner.to_host = allowed(runner.to_device), allowed(runner.to_host)
+        step = runner.step
+
+        def watched_step(seqs, is_prefill):
+            steps.append(is_prefill)
+            with watch:
+                return step(seqs, is_prefill)
+        runner.step = watched_step
+        base = prompts_of([40, 9, 33])
+        prompts = [base[0], base[0][:20] + base[1], base[2]]
+        requests = [(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=20, seed=1)),
+                    (prompts * 2, [SamplingParams(temperature=0, max_tokens=20),
+                                   SamplingParams(n=2, temperature=0.8, max_tokens=20, seed=2)] * 3),
+                    (prompts, SamplingParams(n=2, temperature=0.9, top_k=5, top_p=0.8, max_tokens=20, seed=3))]
+        sync_warnings = []
+        for prompts_, params in requests:
+            with warnings.catch_warnings(record=True) as caught:
+                if DEVICE.type == "cuda":
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    llm.generate(prompts_, params)
+                finally:
+                    if DEVICE.type == "cuda":
+                        torch.cuda.set_sync_debug_mode("default")
+            sync_warnings += [w for w in caught if "synchroniz" in str(w.message)]
+        assert watch.calls == [], watch.calls
+        assert runner.num_copies == {"to_device": len(steps), "to_host": len(steps)}
+        assert steps.count(False) > 3 * steps.count(True) > 0
+        if arch == "llama":
+            assert llm.stats()["num_preemptions"] > 0
+        if DEVICE.type == "cuda":
+            assert len(sync_warnings) == len(steps), [str(w.message) for w in sync_warnings[:5]]

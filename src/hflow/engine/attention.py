@@ -43,6 +43,8 @@ class DecodeBucket:
     block_index: torch.Tensor          # [rows * blocks_per_row] flat block ids, padded with scratch
     ctx_lens: torch.Tensor             # [rows]
     padded_len: int                    # blocks_per_row * block_size
+    shortest: int                      # the bucket's shortest and longest context (Python ints:
+    longest: int                       # whether a mask is needed is known without the device)
     masks: dict = field(default_factory=dict)  # sliding window (or None) -> additive mask
     # set by AttentionMetadata.use_workspace: the workspace views the gathers write into
     # ([blocks, block_size, kv_heads, head_dim]) and the same memory as SDPA reads it
@@ -56,13 +58,18 @@ class DecodeBucket:
         """[rows, 1, 1, padded_len] additive mask (0 where a key is visible, -inf elsewhere);
         None when every key is visible. Built once per step, shared by the layers."""
         if window not in self.masks:
-            pos = torch.arange(self.padded_len, device=self.ctx_lens.device)
-            ctx = self.ctx_lens[:, None]
-            visible = pos[None, :] < ctx
-            if window is not None:
-                visible &= pos[None, :] >= ctx - window
-            self.masks[window] = None if bool(visible.all()) else torch.zeros(
-                visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+            # key j of a row is visible iff ctx - window <= j < ctx: all are, iff every context
+            # fills the padded length and none is longer than the window
+            if self.shortest == self.padded_len and (window is None or self.longest <= window):
+                self.masks[window] = None
+            else:
+                pos = torch.arange(self.padded_len, device=self.ctx_lens.device)
+                ctx = self.ctx_lens[:, None]
+                visible = pos[None, :] < ctx
+                if window is not None:
+                    visible &= pos[None, :] >= ctx - window
+                self.masks[window] = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+                    ~visible, float("-inf"))[:, None, None, :]
         return self.masks[window]
 
 

@@ -7,9 +7,16 @@ padding must never read NaN, so a block is zeroed before its first use: the bloc
 hands fresh blocks out in order and counts them, and each step zeroes the newly touched
 ones. Zeroing the whole budget up front cost more than generating at small batches (1 GiB:
 ~0.3 s on 2 cores, every time the engine wakes up).
+
+A step talks to the device twice: its metadata (token ids, positions, slots, block tables,
+context lengths, the sampler's uniforms...) is built in Python lists and sent in one copy
+(StepBuffer), and the sampled tokens and log-probs come back in one copy. Nothing in between
+waits for the device (whether a mask is needed is decided from Python lengths), so on a GPU
+the host can queue the whole forward while the device runs. `num_copies` counts both kinds.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +26,35 @@ from hflow.engine.attention import AttentionMetadata, DecodeBucket, PrefillSeq, 
 from hflow.engine.block_manager import BlockManager
 from hflow.engine.models.layers import PACKED_MIN_ROWS, can_pack
 from hflow.engine.models.llama import CausalLM
-from hflow.engine.sampler import sample
+from hflow.engine.sampler import host_inputs, sample
 from hflow.engine.sequence import Sequence
+
+
+class StepBuffer:
+    """A step's metadata gathered on the host and sent to the device in one copy: segments of
+    int64 values, and float64 ones carried as their bit patterns (read back as a float64 view)."""
+
+    def __init__(self):
+        self.values: list[int] = []
+        self.segments: list[tuple[int, int, bool]] = []   # (start, end, is_float)
+
+    def add(self, ints) -> int:
+        """Append a segment of ints; returns its index in send()'s list."""
+        return self._add(ints, False)
+
+    def add_floats(self, floats) -> int:
+        return self._add(array("q", array("d", floats).tobytes()), True)
+
+    def _add(self, values, is_float: bool) -> int:
+        start = len(self.values)
+        self.values.extend(values)
+        self.segments.append((start, len(self.values), is_float))
+        return len(self.segments) - 1
+
+    def send(self, runner: "ModelRunner") -> list[torch.Tensor]:
+        """The segments as device tensors: views of one int64 tensor copied once."""
+        flat = runner.to_device(self.values)
+        return [flat[a:b].view(torch.float64) if f else flat[a:b] for a, b, f in self.segments]
 
 
 @dataclass
@@ -32,7 +66,7 @@ class PrefillBatch:
     meta: AttentionMetadata
     last_rows: torch.Tensor        # [distinct] the packed row of each distinct sequence's last token
     logits_rows: torch.Tensor      # [scheduled] which of those rows each scheduled sequence samples from
-    copies: list[tuple[int, int]]  # (leader block, follower block) to copy after the forward
+    copies: tuple[torch.Tensor, torch.Tensor] | None  # (leader blocks, follower blocks) to copy after the forward
 
 
 # The matmuls switch to packed weights (models/layers.py) at a decode step of PACKED_MIN_ROWS to
@@ -57,6 +91,7 @@ class ModelRunner:
         self.workspace: torch.Tensor | None = None
         self.num_zeroed_blocks = 0
         self.packable, self.packed = can_pack(self.model.lm_head_weight), False
+        self.num_copies = {"to_device": 0, "to_host": 0}
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -107,31 +142,33 @@ class ModelRunner:
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _prepare_prefill(self, seqs: list[Sequence]) -> PrefillBatch:
+    def _prepare_prefill(self, seqs: list[Sequence], buf: StepBuffer):
         """Pack the uncached tokens of each *distinct* sequence.
 
         Sequences with identical tokens (the n samples of a fresh prompt) are computed once:
         a follower shares the leader's full blocks through the prefix cache, gets a copy of
         its other blocks after the forward, and samples from the leader's logits row.
+        Returns a function that builds the PrefillBatch from buf.send()'s tensors.
         """
         ids, positions, slots, per_seq, last_rows = [], [], [], [], []
         leaders: dict[tuple[int, ...], tuple[int, Sequence]] = {}  # tokens -> (logits row, leader)
-        logits_rows, copies = [], []
+        logits_rows, src, dst = [], [], []
         scratch_slot = self.scratch_block * self.block_size
         for seq in seqs:
             key = tuple(seq.token_ids)
             if key in leaders:
                 row, leader = leaders[key]
                 first_own = seq.num_cached_tokens // self.block_size
-                copies.extend((src, dst) for src, dst in zip(leader.block_table[first_own:], seq.block_table[first_own:])
-                              if src != dst)
+                for a, b in zip(leader.block_table[first_own:], seq.block_table[first_own:]):
+                    if a != b:
+                        src.append(a)
+                        dst.append(b)
                 logits_rows.append(row)
                 continue
             leaders[key] = (len(last_rows), seq)
             start = min(seq.num_cached_tokens, len(seq) - 1)  # the last token is always recomputed
-            per_seq.append(PrefillSeq(
-                q_start=len(ids), q_len=len(seq) - start, ctx_len=len(seq),
-                block_index=None if start == 0 else torch.tensor(seq.block_table, device=self.device)))
+            per_seq.append((PrefillSeq(q_start=len(ids), q_len=len(seq) - start, ctx_len=len(seq),
+                                       block_index=None), None if start == 0 else buf.add(seq.block_table)))
             ids.extend(seq.token_ids[start:])
             positions.extend(range(start, len(seq)))
             # a recomputed token whose KV is already cached is written to the scratch block
@@ -139,28 +176,58 @@ class ModelRunner:
                          for p in range(start, len(seq)))
             logits_rows.append(len(last_rows))
             last_rows.append(len(ids) - 1)
-        meta = AttentionMetadata(slot_mapping=self._long(slots), prefill=per_seq)
-        return PrefillBatch(self._long(ids), self._long(positions), meta, self._long(last_rows),
-                            self._long(logits_rows), copies)
+        fields = [buf.add(x) for x in (ids, positions, slots, last_rows, logits_rows, src, dst)]
 
-    def _prepare_decode(self, seqs: list[Sequence]):
-        """`seqs` sorted by length; buckets are contiguous runs of them."""
-        bs = self.block_size
-        blocks_per_row = [-(-len(s) // bs) for s in seqs]
-        width = blocks_per_row[-1]
-        table = self._long([s.block_table + [self.scratch_block] * (width - len(s.block_table)) for s in seqs])
-        lens = self._long([len(s) for s in seqs])
-        buckets = []
+        def build(t: list[torch.Tensor]) -> PrefillBatch:
+            for p, index in per_seq:
+                if index is not None:
+                    p.block_index = t[index]
+            ids_t, pos_t, slots_t, last_t, rows_t, src_t, dst_t = (t[i] for i in fields)
+            meta = AttentionMetadata(slot_mapping=slots_t, prefill=[p for p, _ in per_seq])
+            return PrefillBatch(ids_t, pos_t, meta, last_t, rows_t, (src_t, dst_t) if src else None)
+        return build
+
+    def _prepare_decode(self, seqs: list[Sequence], buf: StepBuffer):
+        """`seqs` sorted by length; buckets are contiguous runs of them. Returns a function that
+        builds (input ids, positions, metadata) from buf.send()'s tensors."""
+        bs, scratch = self.block_size, self.scratch_block
+        lens = [len(s) for s in seqs]
+        blocks_per_row = [-(-n // bs) for n in lens]
+        ids = buf.add([s.token_ids[-1] for s in seqs])
+        positions = buf.add([n - 1 for n in lens])
+        slots = buf.add([s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens)])
+        ctx = buf.add(lens)
+        plans = []
         for start, end in plan_buckets(blocks_per_row, bs):
             nb = blocks_per_row[end - 1]
-            buckets.append(DecodeBucket(start, end, table[start:end, :nb].reshape(-1), lens[start:end], nb * bs))
-        positions = lens - 1
-        slots = table.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
-        meta = AttentionMetadata(slot_mapping=slots, decode=buckets)
-        return self._long([s.token_ids[-1] for s in seqs]), positions, meta
+            flat = []
+            for s in seqs[start:end]:
+                flat.extend(s.block_table[:nb])
+                flat.extend([scratch] * (nb - min(nb, len(s.block_table))))
+            # lens are sorted: the bucket's shortest and longest context decide whether a mask is needed
+            plans.append((start, end, buf.add(flat), nb * bs, lens[start], lens[end - 1]))
 
-    def _long(self, data) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.long, device=self.device)
+        def build(t: list[torch.Tensor]):
+            buckets = [DecodeBucket(start, end, t[index], t[ctx][start:end], padded, shortest, longest)
+                       for start, end, index, padded, shortest, longest in plans]
+            return t[ids], t[positions], AttentionMetadata(slot_mapping=t[slots], decode=buckets)
+        return build
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        """The step's one host -> device copy (from pinned memory, not waiting on a GPU)."""
+        self.num_copies["to_device"] += 1
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def to_host(self, tensor: torch.Tensor) -> list:
+        """The step's one device -> host copy: it waits for the step's work."""
+        self.num_copies["to_host"] += 1
+        return tensor.tolist()
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     # ---- one step ----
 
@@ -171,24 +238,30 @@ class ModelRunner:
         Returns (sequences in the order used, token ids, log-probs) as Python lists.
         """
         self.allocate_kv_cache()
+        buf = StepBuffer()
+        if not is_prefill:
+            seqs = sorted(seqs, key=len)
+            self._maybe_pack(seqs)
+        build = self._prepare_prefill(seqs, buf) if is_prefill else self._prepare_decode(seqs, buf)
+        sampling = {k: (buf.add(v) if k == "top_k" else buf.add_floats(v)) for k, v in host_inputs(seqs).items()}
+        sent = buf.send(self)
         if is_prefill:
-            batch = self._prepare_prefill(seqs)
+            batch = build(sent)
             batch.meta.use_workspace(self._workspace_for(batch.meta), self.kv_shape[3:])
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[batch.last_rows])[batch.logits_rows].float()
-            if batch.copies:  # followers' own blocks: a copy of their leader's, every layer at once
-                src, dst = self._long([c[0] for c in batch.copies]), self._long([c[1] for c in batch.copies])
+            if batch.copies is not None:  # followers' own blocks: a copy of their leader's, every layer at once
+                src, dst = batch.copies
                 self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
         else:
-            seqs = sorted(seqs, key=len)
-            self._maybe_pack(seqs)
-            input_ids, positions, meta = self._prepare_decode(seqs)
+            input_ids, positions, meta = build(sent)
             meta.use_workspace(self._workspace_for(meta), self.kv_shape[3:])
             logits = self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches)).float()
-        tokens, logprobs = sample(logits, seqs)
+        tokens, logprobs = sample(logits, seqs, {k: sent[i] for k, i in sampling.items()})
+        # one copy back: token ids are exact in float64, and so are fp32 log-probs
+        out = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)))
         tp = self.model.tp
         if tp.size > 1:  # rank 0's draw decides, so the ranks can never drift apart
-            src = dist.get_global_rank(tp.group, 0)
-            dist.broadcast(tokens, src, group=tp.group)
-            dist.broadcast(logprobs, src, group=tp.group)
-        return seqs, tokens.tolist(), logprobs.tolist()
+            dist.broadcast(out, dist.get_global_rank(tp.group, 0), group=tp.group)
+        tokens, logprobs = self.to_host(out)
+        return seqs, [int(t) for t in tokens], logprobs

@@ -16,55 +16,64 @@ import torch
 from hflow.engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [rows, vocab] (fp32) -> (token ids [rows], log-probs [rows])."""
+def host_inputs(seqs: list[Sequence]) -> dict[str, list]:
+    """What sample() needs from the host, one entry per row: `u`, one draw from the stream of
+    each sampled row (0.0 for greedy rows, which draw nothing); and unless every row shares one
+    unfiltered SamplingParams, `temperature` (0: greedy), `top_k` (0: off) and `top_p`.
+    The model runner sends them with the step's other metadata, in one copy."""
+    u = [s.rng.random() if s.params.temperature > 0 else 0.0 for s in seqs]
+    if _shared_unfiltered(seqs):
+        return {"u": u}
+    return {"u": u, "temperature": [s.params.temperature for s in seqs],
+            "top_k": [s.params.top_k for s in seqs], "top_p": [s.params.top_p for s in seqs]}
+
+
+def _shared_unfiltered(seqs: list[Sequence]) -> bool:
     params = seqs[0].params
-    if params.top_k == 0 and params.top_p >= 1 and all(s.params is params for s in seqs):
-        return _sample_plain(logits, seqs, params.temperature)
-    rows, vocab = logits.shape
-    device = logits.device
-    temps = [s.params.temperature for s in seqs]
-    temperature = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=logits.dtype, device=device)
-    logp = torch.log_softmax(logits / temperature[:, None], dim=-1)
-    tokens = torch.empty(rows, dtype=torch.long, device=device)
+    return params.top_k == 0 and params.top_p >= 1 and all(s.params is params for s in seqs)
 
-    greedy = [i for i, t in enumerate(temps) if t == 0]
-    if greedy:
-        idx = torch.tensor(greedy, device=device)
-        tokens[idx] = logits[idx].argmax(dim=-1)
 
-    plain = [i for i, s in enumerate(seqs) if temps[i] > 0 and s.params.top_k == 0 and s.params.top_p >= 1]
-    if plain:
-        idx = torch.tensor(plain, device=device)
-        u = torch.tensor([seqs[i].rng.random() for i in plain], dtype=torch.float64, device=device)
-        tokens[idx] = _inverse_cdf(logp[idx].exp(), u)
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           inputs: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] (fp32) -> (token ids [rows], log-probs [rows]).
 
-    filtered = [i for i, s in enumerate(seqs) if temps[i] > 0 and (s.params.top_k > 0 or s.params.top_p < 1)]
-    if filtered:
-        idx = torch.tensor(filtered, device=device)
-        u = torch.tensor([seqs[i].rng.random() for i in filtered], dtype=torch.float64, device=device)
-        top_k = torch.tensor([seqs[i].params.top_k or vocab for i in filtered], device=device)
-        top_p = torch.tensor([seqs[i].params.top_p for i in filtered], dtype=logits.dtype, device=device)
-        probs, order = logp[idx].exp().sort(dim=-1, descending=True)
-        probs = probs * (torch.arange(vocab, device=device)[None, :] < top_k[:, None])
+    `inputs`: host_inputs(seqs) as tensors on the logits' device (u, temperature and top_p
+    float64, top_k int64); None draws and sends them here. No step of this function waits for
+    the device."""
+    if inputs is None:
+        inputs = {k: torch.tensor(v, dtype=torch.long if k == "top_k" else torch.float64, device=logits.device)
+                  for k, v in host_inputs(seqs).items()}
+    if "temperature" not in inputs:
+        return _sample_plain(logits, inputs["u"], seqs[0].params.temperature)
+    vocab = logits.shape[1]
+    temps = inputs["temperature"]
+    greedy = temps == 0
+    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).to(logits.dtype)[:, None], dim=-1)
+    u = inputs["u"]
+    # every row as a plain sample, then filtered and greedy rows replaced (a row's result
+    # never depends on the other rows)
+    tokens = _inverse_cdf(logp.exp(), u)
+    if any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs):
+        top_k = torch.where(inputs["top_k"] > 0, inputs["top_k"], vocab)
+        top_p = inputs["top_p"].to(logits.dtype)
+        probs, order = logp.exp().sort(dim=-1, descending=True)
+        probs = probs * (torch.arange(vocab, device=logits.device)[None, :] < top_k[:, None])
         # top-p on the top-k renormalised distribution: keep a token while the mass strictly
         # before it is below top_p (the most likely token is always kept)
         mass_before = (probs.cumsum(dim=-1) - probs) / probs.sum(dim=-1, keepdim=True)
         probs = probs * (mass_before < top_p[:, None])
-        tokens[idx] = order.gather(1, _inverse_cdf(probs, u)[:, None])[:, 0]
-
+        filtered = order.gather(1, _inverse_cdf(probs, u)[:, None])[:, 0]
+        tokens = torch.where((top_k < vocab) | (top_p < 1), filtered, tokens)
+    if any(s.params.temperature == 0 for s in seqs):
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
-def _sample_plain(logits: torch.Tensor, seqs: list[Sequence], temperature: float):
+def _sample_plain(logits: torch.Tensor, u: torch.Tensor, temperature: float):
     """The common case, one unfiltered SamplingParams for every row: the same tokens and
-    log-probs as the general path, without its per-row index tensors."""
+    log-probs as the general path, with fewer ops."""
     logp = torch.log_softmax(logits if temperature in (0, 1) else logits / temperature, dim=-1)
-    if temperature == 0:
-        tokens = logits.argmax(dim=-1)
-    else:
-        u = torch.tensor([s.rng.random() for s in seqs], dtype=torch.float64, device=logits.device)
-        tokens = _inverse_cdf(logp.exp(), u)
+    tokens = logits.argmax(dim=-1) if temperature == 0 else _inverse_cdf(logp.exp(), u)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
