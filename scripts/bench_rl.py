@@ -33,7 +33,9 @@ Compute floor = matmul FLOPs / this script's measured fp32 matmul peak (torch.mm
 the model's shapes, best of a few): generation 2 (N_body + N_head) per generated token +
 2 N_body per prompt token (each prompt once); a forward 2 N_body (prompt + response tokens)
 + 2 N_head per response token; forward + backward 3x that. Attention score/value products are
-not counted (a few % here). Floors count only the work an on-policy step needs: no old
+not counted (a few % here). Generation's floor is the larger of that and its weight reads: every
+fp32 weight once per decode step, as many steps as the longest response, at this script's
+measured memory read bandwidth (a sum over 256 MiB). Floors count only the work an on-policy step needs: no old
 log-probs for GRPO (both sides skip them); for PPO the critic's values, plus the reference's and
 the actor's log-probs when a reference puts a KL in the reward (the default workload).
 
@@ -293,6 +295,7 @@ def trl_worker(spec_path: str) -> None:
     def count(out):   # _generate's (prompt_ids, completion_ids, ...); completions end with their EOS
         acc["prompt_tokens"] = acc.get("prompt_tokens", 0) + sum(map(len, out[0])) // n
         acc["tokens"] = acc.get("tokens", 0) + sum(map(len, out[1]))
+        acc["longest"] = max(acc.get("longest", 0), max(map(len, out[1])))
 
     generate_and_score = trainer._generate_and_score_completions
 
@@ -318,7 +321,8 @@ def trl_worker(spec_path: str) -> None:
             log.write(json.dumps({
                 "step": state.global_step, "time/step_s": step, "time/generate_s": acc["generate"],
                 "time/log_probs_s": acc.get("old", 0.0), "time/update_s": step - acc["gas"],
-                "response_length/mean": acc["tokens"] / (batch * n), "prompt_tokens": acc["prompt_tokens"]}) + "\n")
+                "response_length/mean": acc["tokens"] / (batch * n), "response_length/max": acc["longest"],
+                "prompt_tokens": acc["prompt_tokens"]}) + "\n")
             log.flush()
 
     trainer.add_callback(StepTimer())
@@ -346,6 +350,25 @@ def matmul_peak(spec: dict, threads: int) -> float:
     return best
 
 
+def memory_bandwidth(threads: int) -> float:
+    """Best GB/s of reading a 256 MiB fp32 tensor (a sum), `threads` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x, best = torch.ones(64 * 2**20), 0.0
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def weight_reads(spec: dict, row: dict) -> float:
+    """GB a generation must read at least: every fp32 weight once per decode step, and there are
+    as many steps as the longest response has tokens (all rows decoded together)."""
+    return 4 * (spec["n_body"] + spec["n_head"]) * row["response_length/max"] / 1e9
+
+
 def floors(spec: dict, algo: str, row: dict, step: int) -> dict:
     """Matmul GFLOP of the work each phase of one on-policy step needs (see the docstring)."""
     batch, n, _ = spec["shapes"][algo]
@@ -362,7 +385,17 @@ def floors(spec: dict, algo: str, row: dict, step: int) -> dict:
             "step": (gen + logp + upd) / 1e9, "prompt_tokens": prompt}
 
 
-def report(spec: dict, algo: str, label: str, rows: list[dict], peak: float) -> float:
+def phase_floor(spec: dict, algo: str, row: dict, phase: str, peak: float, bandwidth: float) -> float:
+    """Seconds a phase needs at least: its matmuls at the peak; generation also reads every
+    weight once per decode step (a few rows are bound by that, not by the matmuls): the larger."""
+    flop = floors(spec, algo, row, row["step"])
+    generate = max(flop["generate"] / peak, weight_reads(spec, row) / bandwidth)
+    if phase == "generate":
+        return generate
+    return generate + (flop["log_probs"] + flop["update"]) / peak if phase == "step" else flop[phase] / peak
+
+
+def report(spec: dict, algo: str, label: str, rows: list[dict], peak: float, bandwidth: float) -> float:
     """Print the phase table of one configuration; return its median whole-step tokens/s."""
     batch, n, _ = spec["shapes"][algo]
     tokens = [r["response_length/mean"] * batch * n for r in rows]
@@ -370,7 +403,7 @@ def report(spec: dict, algo: str, label: str, rows: list[dict], peak: float) -> 
     print(f"    {'phase':<14}{'median s':>9}{'tok/s':>9}{'floor s':>9}{'% floor':>9}")
     for phase in ("generate", "log_probs", "update", "step"):
         times = [r[f"time/{phase}_s"] for r in rows]
-        floor = statistics.median(floors(spec, algo, r, r["step"])[phase] for r in rows) / peak
+        floor = statistics.median(phase_floor(spec, algo, r, phase, peak, bandwidth) for r in rows)
         if statistics.median(times) < 0.01 and floor == 0:
             print(f"    {phase:<14}{statistics.median(times):9.3f}   (skipped: on-policy)")
             continue
@@ -431,7 +464,9 @@ def main():
                         run_hflow(spec, algo, r, args.cores // r, tag)
                     results.setdefault((algo, who, r), []).extend(rows[args.warmup:])
             peak = max(peak, matmul_peak(spec, args.cores))
-            print(f"  matmul peak, best of before and after the runs: {peak:.0f} GFLOP/s")
+            bandwidth = memory_bandwidth(args.cores)
+            print(f"  matmul peak, best of before and after the runs: {peak:.0f} GFLOP/s; memory read "
+                  f"bandwidth {bandwidth:.1f} GB/s ({args.cores} threads)")
             if args.trl:
                 trl_prompts = [r["prompt_tokens"] for r in results[("grpo", "trl", 1)]]
                 ours = [floors(spec, "grpo", r, r["step"])["prompt_tokens"] for r in results[("grpo", "trl", 1)]]
@@ -441,7 +476,7 @@ def main():
             for (algo, who, r), rows in results.items():
                 label = "TRL GRPOTrainer, 1 process x 2 threads" if who == "trl" else \
                     f"hflow {algo.upper()}, {r} rank{'s' if r > 1 else ''} x {args.cores // r} thread(s)"
-                rates[(algo, who, r)] = report(spec, algo, label, rows, peak)
+                rates[(algo, who, r)] = report(spec, algo, label, rows, peak, bandwidth)
             table += summary_rows(name, rates)
         print("\n| workload | TRL tok/s | hflow 2 ranks tok/s | ratio | hflow 1 rank tok/s | ratio |\n|---|---|---|---|---|---|")
         print("\n".join(table))
