@@ -479,7 +479,9 @@ def test_a_step_copies_once_each_way(saved):
     for arch, opts in (("mistral", {}), ("llama", {"num_kv_blocks": 9})):
         path, _ = saved[arch]
         llm = LLM.from_pretrained(path, device=DEVICE, **opts)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # the cache is allocated (and sized) once
         runner, watch, steps = llm.runner, Watch(), []
+        before = dict(runner.num_copies)
 
         def allowed(fn):
             def wrapped(*args):
@@ -516,9 +518,78 @@ def test_a_step_copies_once_each_way(saved):
                         torch.cuda.set_sync_debug_mode("default")
             sync_warnings += [w for w in caught if "synchroniz" in str(w.message)]
         assert watch.calls == [], watch.calls
-        assert runner.num_copies == {"to_device": len(steps), "to_host": len(steps)}
+        assert {k: v - before[k] for k, v in runner.num_copies.items()} == {"to_device": len(steps),
+                                                                            "to_host": len(steps)}
         assert steps.count(False) > 3 * steps.count(True) > 0
         if arch == "llama":
             assert llm.stats()["num_preemptions"] > 0
         if DEVICE.type == "cuda":
             assert len(sync_warnings) == len(steps), [str(w.message) for w in sync_warnings[:5]]
+
+
+def test_kv_blocks_for_memory():
+    """The GPU budget: floor((fraction * total - used - headroom) / block_bytes), an error when
+    not one block fits; on CPU the default stays min(what the sequences need, 1 GiB)."""
+    from hflow.engine.config import kv_blocks_for_memory, step_activation_bytes
+
+    gib = 1 << 30
+    assert kv_blocks_for_memory(80 * gib, 20 * gib, 0.9, gib) == 52              # 72 - 20
+    assert kv_blocks_for_memory(80 * gib, 20 * gib, 0.9, gib, headroom=gib // 2) == 51
+    assert kv_blocks_for_memory(100, 10, 0.5, 7) == 5                            # (50 - 10) // 7
+    assert kv_blocks_for_memory(100, 10, 0.5, 40) == 1
+    with pytest.raises(ValueError, match=r"no KV-cache block \(41 bytes\) fits.*gpu-memory-fraction"):
+        kv_blocks_for_memory(100, 10, 0.5, 41)
+    with pytest.raises(ValueError, match="no KV-cache block"):
+        kv_blocks_for_memory(80 * gib, 75 * gib, 0.9, 1 << 20)                   # more in use than allowed
+    with pytest.raises(ValueError, match="gpu_memory_fraction"):
+        EngineConfig(gpu_memory_fraction=1.5)
+    cfg = tiny_config("llama")  # 4 heads x 16, 2 KV heads, intermediate 96, hidden 64, vocab 96
+    per_token = (4 + 2 * 2) * 16 + 3 * 96 + 4 * 64
+    assert step_activation_bytes(cfg, 100, 8, 2) == 100 * per_token * 2 + 8 * VOCAB * 32
+
+
+def test_default_kv_budget_on_cpu_and_on_a_gpu(saved, monkeypatch):
+    import hflow.engine.llm as llm_module
+
+    path, _ = saved["llama"]
+    if DEVICE.type == "cpu":  # 2 layers x 2 KV heads x 16 x fp32 x 2 (K, V) x 16 tokens = 8 KiB a block
+        assert LLM.from_pretrained(path, max_num_seqs=4).block_manager.num_blocks == 4 * 256 // 16
+        assert LLM.from_pretrained(path).block_manager.num_blocks == min(256 * 16, (1 << 30) // 8192)
+        return
+    llm = LLM.from_pretrained(path, device=DEVICE, max_num_seqs=100000, gpu_memory_fraction=0.5)
+    total, used = llm_module.device_memory(DEVICE)
+    per_block = 8192 * (1 + 1 / 2)
+    blocks = llm.block_manager.num_blocks
+    assert 0 < blocks <= (0.5 * total - used) / per_block
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    assert llm.runner.kv_cache.numel() * 4 == (blocks + 1) * 8192
+
+
+def test_kv_budget_is_measured_at_each_allocation(saved, monkeypatch):
+    """On a GPU the cache is sized from the memory in use when it is allocated: after a sleep,
+    a process that holds more (the optimizer state after the first update) gets fewer blocks.
+    Simulated on CPU with a fake device_memory."""
+    import hflow.engine.llm as llm_module
+
+    path, _ = saved["qwen2"]
+    llm = LLM.from_pretrained(path, device=DEVICE)
+    gib, used = 1 << 30, [10 << 30]
+    monkeypatch.setattr(llm_module, "device_memory", lambda device: (80 * gib, used[0]))
+    monkeypatch.setattr(llm_module, "step_activation_bytes", lambda *a: 0)
+    llm._size_from_memory = True
+    prompts, params = prompts_of([5, 20]), SamplingParams(temperature=0, max_tokens=8)
+    expected = _tokens(llm.generate(prompts, params))
+    per_block = 2 * 2 * 16 * 2 * 16 * 4   # K and V x 2 layers x 16 tokens x 2 KV heads x 16 x fp32
+    assert llm.runner.bytes_per_block(llm.model, 16) == per_block
+    per_block += per_block // 2             # and a share of the gather workspace (one layer's)
+    assert llm.block_manager.num_blocks == min(256 * 16, int(0.9 * 80 * gib - used[0]) // per_block)
+    llm.sleep()
+    llm.wake_up()
+    used[0] = int(72 * gib - 100 * per_block)
+    assert _tokens(llm.generate(prompts, params)) == expected
+    assert llm.block_manager.num_blocks == 100
+    used[0] = 72 * gib
+    llm.sleep()
+    llm.wake_up()
+    with pytest.raises(ValueError, match="no KV-cache block"):
+        llm.generate(prompts, params)

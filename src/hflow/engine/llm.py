@@ -7,13 +7,15 @@ import os
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig
 
 from hflow.engine.block_manager import BlockManager
-from hflow.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from hflow.engine.config import (DEFAULT_KV_CACHE_BYTES, EngineConfig, device_memory, kv_blocks_for_memory,
+                                 step_activation_bytes)
 from hflow.engine.model_runner import ModelRunner
 from hflow.engine.models import build_model
 from hflow.engine.models.layers import TPInfo
@@ -31,7 +33,7 @@ class LLM:
 
     Engine options are the fields of EngineConfig (block_size, num_kv_blocks or
     kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
-    enable_prefix_caching, tp_group), as keywords or as engine_config=EngineConfig(...);
+    enable_prefix_caching, tp_group, gpu_memory_fraction), as keywords or as engine_config=EngineConfig(...);
     `device` and `dtype` place the weights and the cache (default: cpu/fp32; from_model: the
     model's). `eos_token_ids` overrides the stop ids found in the generation config / model config.
     """
@@ -113,21 +115,47 @@ class LLM:
         self.eos_token_ids = list(eos_token_ids or [])
         self.tp = TPInfo(cfg.tp_group)
         self.model = build_model(hf_config, self.max_model_len, self.tp, dtype, torch.device(device))
+        # on a GPU without an explicit budget, the cache is sized from free memory each time it is allocated
+        self._size_from_memory = (cfg.num_kv_blocks is None and cfg.kv_cache_bytes is None
+                                  and self.model.embed_tokens.weight.device.type != "cpu")
+        self._asleep = self._weights_freed = False
+        self._next_seq_id = 0
+        self._make_cache(self._num_kv_blocks())
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.engine_config
         per_block = ModelRunner.bytes_per_block(self.model, cfg.block_size)
+        wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif cfg.kv_cache_bytes is not None:
             num_blocks = cfg.kv_cache_bytes // per_block
-        else:
-            wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        elif not self._size_from_memory:
             num_blocks = min(wanted, DEFAULT_KV_CACHE_BYTES // per_block)
+        else:
+            device = self.model.embed_tokens.weight.device
+            total, used = device_memory(device)
+            elem = self.model.embed_tokens.weight.element_size()
+            headroom = step_activation_bytes(self.hf_config, cfg.max_num_batched_tokens, cfg.max_num_seqs, elem)
+            # a step's gathers reuse a workspace of up to one layer's blocks (attention.py)
+            per_block_used = per_block + per_block // len(self.model.layers)
+            num_blocks = min(wanted, kv_blocks_for_memory(total, used, cfg.gpu_memory_fraction, per_block_used,
+                                                          headroom))
+            if self.tp.size > 1:  # the ranks of a group must schedule alike: the smallest budget
+                t = torch.tensor([num_blocks], device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
+                num_blocks = int(t)
         if num_blocks < 1:
             raise ValueError(f"the KV budget holds no block of {per_block} bytes")
+        return num_blocks
+
+    def _make_cache(self, num_blocks: int) -> None:
+        """The block manager, scheduler and model runner of a cache of `num_blocks` blocks (the
+        cache itself is allocated by the first step)."""
+        cfg = self.engine_config
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.block_manager)
-        self._asleep = self._weights_freed = False
-        self._next_seq_id = 0
 
     # ---- weights and memory ----
 
@@ -212,6 +240,10 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompt_token_ids)} prompts")
         if self._asleep:
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
+        if self._size_from_memory and self.runner.kv_cache is None:
+            num_blocks = self._num_kv_blocks()   # memory free now: training state may have grown
+            if num_blocks != self.block_manager.num_blocks:
+                self._make_cache(num_blocks)
         self.block_manager.peak_used_blocks = self.block_manager.num_used_blocks
         self.scheduler.num_preemptions = 0
         bar = None

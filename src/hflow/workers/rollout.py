@@ -52,7 +52,9 @@ class RolloutConfig:
     tp_size: int = 1
     """tensor-parallel size of the generation engine (divides the actor's ranks)"""
     kv_cache_bytes: int = 0
-    """KV cache budget per rank in bytes (0: the engine's default)"""
+    """KV cache budget per rank in bytes (0: the engine's default: 1 GiB at most on CPU, --rollout.gpu-memory-fraction on a GPU)"""
+    gpu_memory_fraction: float = 0.9
+    """on a GPU without --rollout.kv-cache-bytes: the share of the device's memory the engine may fill (training state, weights, KV cache and a step's activations together), measured before each rollout, as vLLM's gpu_memory_utilization"""
     max_num_seqs: int = 256
     """sequences decoded at once"""
     enable_prefix_caching: bool = True
@@ -84,7 +86,8 @@ class Rollout:
         self.llm = None  # free the engine of another tp size first
         self.gen_mesh = generation_mesh(self.train_mesh, cfg.tp_size, make_mesh)
         options = {"max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
-                   "enable_prefix_caching": cfg.enable_prefix_caching}
+                   "enable_prefix_caching": cfg.enable_prefix_caching,
+                   "gpu_memory_fraction": cfg.gpu_memory_fraction}
         if cfg.kv_cache_bytes:
             options["kv_cache_bytes"] = cfg.kv_cache_bytes
         if cfg.max_model_len:
