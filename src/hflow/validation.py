@@ -86,6 +86,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "temperature": _at_least(0, "sampling temperature; 0: greedy"),
     "top_p": _within(0, 1, "nucleus sampling; 1: off", open_low=True),
     "top_k": _at_least(0, "top-k sampling; 0: off"),
+    "gpu_memory_fraction": _within(0, 1, "share of GPU memory the engine may fill", open_low=True),
     # the algorithm
     "clip_low": _within(0, 1, "PPO clip below: ratio >= 1 - clip_low", open_low=True, open_high=True),
     "clip_high": _positive("PPO clip above: ratio <= 1 + clip_high"),
