@@ -254,8 +254,6 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 batch["advantages"] = advantages(algo, token_rewards, torch.arange(len(batch)) // cfg.rollout.n, mask)
                 with timer("update"):
                     metrics |= actor.update(batch, loss_fn, loss_agg=algo.loss_agg)[0]
-                if not ref:   # no reference: KL of the updated policy to the one that sampled, as the loss saw it
-                    metrics["kl/mean"] = metrics.get("actor/approx_kl", 0.0)
                 metrics |= rollout_metrics(batch)
         metrics |= timer.pop()
         if len(batch):

@@ -167,6 +167,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
                                                                 algo.gamma, algo.lam)
             # whitened: the update's step size no longer depends on the reward's scale
             batch["advantages"] = algos.masked_whiten(advantages, mask)
+            # of values the critic has not trained on yet: does it predict more than the batch's mean?
+            metrics["critic/vf_explained_var"] = algos.explained_variance(batch["values"], batch["returns"], mask)
             with timer("update"):      # the critic and the actor train at the same time when split
                 critic_update = critic.update.future(batch, functools.partial(critic_loss, algo=algo))
                 if step > algo.critic_warmup:   # advantages from an untrained critic are noise

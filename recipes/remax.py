@@ -144,8 +144,6 @@ def main(cluster: hflow.Cluster, cfg: Config):
             batch["advantages"] = remax_advantages(scores, greedy_scores, mask, kl, algo.kl_coef)
             with timer("update"):
                 metrics |= actor.update(batch, loss_fn, loss_agg=algo.loss_agg)[0]
-        if not ref:   # no reference: KL of the updated policy to the one that sampled, as the loss saw it
-            metrics["kl/mean"] = metrics.get("actor/approx_kl", 0.0)
         metrics["reward/greedy_mean"] = greedy_scores.mean().item()
         metrics |= rollout_metrics(batch) | timer.pop()
         metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]

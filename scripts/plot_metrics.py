@@ -1,6 +1,6 @@
-"""Draw a run's curves (reward and held-out eval, KL, response length, losses, grad norms,
-reward-function failures) from metrics.jsonl files to a PNG; panels with nothing logged are left
-out.
+"""Draw a run's curves (reward and held-out eval, KL, response length, losses, the critic's
+explained variance, grad norms, reward-function failures) from metrics.jsonl files to a PNG;
+panels with nothing logged (e.g. KL without a reference model) are left out.
 
     python scripts/plot_metrics.py --runs outputs/ppo                # -> outputs/ppo/metrics.png
     python scripts/plot_metrics.py --runs outputs/ppo outputs/grpo --out compare.png
@@ -21,6 +21,7 @@ PANELS = {
     "KL": ("kl/mean",),
     "response length": ("response_length/mean",),
     "loss": ("actor/loss", "critic/loss"),
+    "critic explained variance": ("critic/vf_explained_var",),
     "grad norm": ("actor/grad_norm", "critic/grad_norm"),
     "reward failures": ("reward/errors", "reward/timeouts", "reward/crashes"),
 }

@@ -42,7 +42,7 @@ def test_ppo_split_placement_on_4_ranks_logs_every_metric_and_exports(tiny_model
     assert [r["step"] for r in logged] == [0, 1, 2]
     assert "eval/reward_mean" in logged[0] and "eval/reward_mean" in logged[-1]
     for key in ("reward/mean", "response_length/mean", "kl/mean", "actor/loss", "actor/clipfrac",
-                "actor/grad_norm", "critic/loss", "time/generate_s", "time/update_s", "time/step_s",
+                "actor/grad_norm", "critic/loss", "critic/vf_explained_var", "time/generate_s", "time/update_s", "time/step_s",
                 "throughput/tokens_per_s"):
         assert key in logged[1], key
 
@@ -97,6 +97,8 @@ def test_grpo_off_policy_old_log_probs_from_the_rollout_equal_recomputed(tiny_mo
                                                         "--algo.old-log-probs", source), timeout=400).check()
         logged[source] = [without_timing(r) for r in rows(out)]
     assert logged["rollout"][1]["actor/clipfrac"] == logged["recompute"][1]["actor/clipfrac"]
+    # no reference model (--algo.kl-coef 0): no KL is computed, so none is logged
+    assert not any("kl/mean" in row for run in logged.values() for row in run)
     for a, b in zip(logged["recompute"], logged["rollout"]):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6), a["step"]
 
@@ -158,6 +160,24 @@ def test_grpo_defaults_depend_on_the_model():
     assert type(given.actor.optim.lr) is float and type(given.rollout.max_tokens) is int
     flagged = resolve_defaults(tyro.cli(grpo.Config, args=["--model.path", "m", "--actor.optim.lr", "3e-5"]))
     assert flagged.actor.optim.lr == 3e-5 and flagged.rollout.max_tokens == 512
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "remax"])
+def test_help_of_a_recipe_without_a_critic_never_mentions_one(recipe):
+    """A shared flag's help (--trainer.placement's did) must not speak of a critic the recipe
+    does not have; the recipe's own description may say it has none."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(RECIPES / f"{recipe}.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, env=os.environ | {"COLUMNS": "100"})
+    assert run.returncode == 0, run.stderr
+    flags = run.stdout[run.stdout.index("╭"):]   # the flags' boxes, after the description
+    assert "--trainer.placement" in flags
+    # the one allowed: critic/loss among the default console keys (shown when a recipe logs it)
+    assert set(re.findall(r"\S*critic\S*", flags.lower())) <= {"critic/loss"}, flags
 
 
 @pytest.mark.dist

@@ -67,7 +67,7 @@ class TrainerConfig:
     export: bool = True
     """Export the final actor as a Hugging Face directory (output_dir/actor_hf)."""
     placement: str = "colocate"
-    """colocate (every model on every rank), split (the recipe's two natural sets on ranks of their own: the actor's side and the scorers'/critics' side; the recipe's docstring says which), standalone (every model on ranks of its own), auto (the planner picks for this machine and logs why), or a SPEC of colocated sets and their ranks, e.g. actor,ref:0-1;critic:2;reward:3."""
+    """colocate (every model on every rank), split (the recipe's two natural sets of models, each on ranks of its own: the actor's side and the other side; the recipe's docstring says which), standalone (every model on ranks of its own), auto (the planner picks for this machine and logs why), or a SPEC of colocated sets of the run's models and their ranks, e.g. actor,ref:0-1;reward:2 (a wrong SPEC is refused with the run's models listed)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
