@@ -399,27 +399,75 @@ def test_plan_buckets_is_optimal():
         assert cost(spans) == best
 
 
-def test_cli_prints_a_completion(saved, tmp_path):
+def word_tokenizer(path):
+    """Save a word-level tokenizer for the tiny vocabulary (w0 .. w92, <s> = 1, </s> = 2) in
+    `path`; return it as AutoTokenizer loads it back."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    path, model = saved["llama"]
     words = [f"w{i}" for i in range(VOCAB - 3)]
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
-    prompt = "w5 w17 w3 w40 w41 w9"
     tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer("w5 w17 w3")["input_ids"] == [8, 20, 6]
+    return tokenizer
+
+
+CLI_DEVICE = [] if DEVICE.type == "cpu" else ["--device", str(DEVICE), "--dtype", "float32"]
+
+
+def test_cli_prints_a_completion(saved, tmp_path):
+    path, model = saved["llama"]
+    tokenizer = word_tokenizer(path)
+    prompt = "w5 w17 w3 w40 w41 w9"
     ids = tokenizer(prompt)["input_ids"]
-    assert ids == [vocab[w] for w in prompt.split()]
     ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
     run = subprocess.run([sys.executable, "-m", "hflow.engine", "--model", path, "--prompt", prompt,
-                          "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+                          "--max-tokens", "8", *CLI_DEVICE], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == tokenizer.decode(ref, skip_special_tokens=True).strip()
     assert run.stdout.strip()
+    # several prompts or samples: a label above each completion
+    run = subprocess.run([sys.executable, "-m", "hflow.engine", "--model", path, "--prompt", prompt,
+                          "--prompt", "w7 w8", "--n", "2", "--temperature", "1", "--seed", "0",
+                          "--max-tokens", "4", *CLI_DEVICE], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    labels = [line for line in run.stdout.splitlines() if line.startswith("--- ")]
+    assert labels == [f"--- prompt {i}/2 {p!r}, sample {j}/2 ---" for i, p in ((1, prompt), (2, "w7 w8"))
+                      for j in (1, 2)], run.stdout
+
+
+def test_string_prompts_and_text(saved):
+    """generate() takes strings (the engine's tokenizer), token ids, or a mix; every output
+    has .text, the decoded completion without special tokens; token_ids end with the stop token."""
+    path, model = saved["llama"]
+    tokenizer = word_tokenizer(path)
+    llm = LLM.from_pretrained(path, device=DEVICE)
+    text = "w5 w17 w3 w40 w41 w9"
+    ids = tokenizer(text)["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=30)
+    by_ids = llm.generate([ids, [9, 10]], params)
+    by_text = llm.generate([text, [9, 10]], params)
+    assert _tokens(by_text) == _tokens(by_ids)
+    assert by_text[0].prompt == text and by_text[0].prompt_token_ids == ids and by_text[1].prompt is None
+    assert _tokens(llm.generate(text, params)) == _tokens(by_ids[:1])   # one prompt alone
+    for out in by_text:
+        c = out.outputs[0]
+        assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == EOS and "</s>" not in c.text
+    assert any(o.outputs[0].finish_reason == "stop" for o in by_text + by_ids), "no stop token met"
+    # no tokenizer: strings are refused, text is None
+    bare = LLM.from_model(model, device=DEVICE)
+    assert bare.generate([ids], params)[0].outputs[0].text is None
+    with pytest.raises(ValueError, match="string prompts need a tokenizer"):
+        bare.generate([text], params)
+    assert LLM.from_pretrained(saved["qwen2"][0]).tokenizer is None   # weights only: no empty tokenizer made up
+    given = LLM.from_model(model, tokenizer=tokenizer, device=DEVICE)
+    assert _tokens(given.generate([text], params)) == _tokens(by_ids[:1])
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])

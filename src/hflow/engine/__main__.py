@@ -18,6 +18,12 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
+def completion_label(prompt: int, prompts: int, sample: int, n: int, text: str) -> str:
+    """The line above each completion when there are several: `--- prompt 2/3 'text', sample 1/4 ---`."""
+    where = f"prompt {prompt + 1}/{prompts} {text!r}" if prompts > 1 else f"{text!r}"
+    return f"--- {where}" + (f", sample {sample + 1}/{n}" if n > 1 else "") + " ---"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hflow.engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,23 +40,25 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
     from hflow.engine import LLM, SamplingParams
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    llm = LLM.from_pretrained(args.model, dtype=default_dtype(args.device) if args.dtype == "auto" else getattr(torch, args.dtype), device=args.device)
+    dtype = default_dtype(args.device) if args.dtype == "auto" else getattr(torch, args.dtype)
+    llm = LLM.from_pretrained(args.model, dtype=dtype, device=args.device)
+    if llm.tokenizer is None:
+        ap.error(f"{args.model} holds no tokenizer (tokenizer.json / tokenizer_config.json)")
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    prompts = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in args.prompt]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(args.prompt, params)   # strings: the engine tokenizes them
     elapsed = time.perf_counter() - start
     num_tokens = 0
-    for out in outs:
+    labelled = len(outs) > 1 or args.n > 1
+    for i, out in enumerate(outs):
         for completion in out.outputs:
             num_tokens += len(completion.token_ids)
-            print(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
+            if labelled:
+                print(completion_label(i, len(outs), completion.index, args.n, out.prompt))
+            print(completion.text)
     print(f"[{num_tokens} tokens in {elapsed:.2f} s]", file=sys.stderr)
 
 

@@ -36,11 +36,13 @@ class LLM:
     enable_prefix_caching, tp_group, gpu_memory_fraction), as keywords or as engine_config=EngineConfig(...);
     `device` and `dtype` place the weights and the cache (default: cpu/fp32; from_model: the
     model's). `eos_token_ids` overrides the stop ids found in the generation config / model config.
+    `tokenizer` (a transformers tokenizer; from_pretrained: the directory's, loaded when first
+    needed) lets generate() take strings and fills each output's `.text`.
     """
 
     def __init__(self, hf_config, *, dtype: torch.dtype | None = None, device=None,
                  eos_token_ids: list[int] | None = None, engine_config: EngineConfig | None = None,
-                 **engine_opts):
+                 tokenizer=None, **engine_opts):
         if isinstance(hf_config, (nn.Module, dict)):
             raise TypeError("LLM(...) takes a transformers config; use LLM.from_model(model) or "
                             "LLM.from_state_dict(state_dict, config) for weights")
@@ -48,6 +50,19 @@ class LLM:
             raise ValueError(f"give engine_config or engine options {sorted(engine_opts)}, not both")
         cfg = engine_config or EngineConfig(**engine_opts)
         self._build(hf_config, dtype or torch.float32, device or "cpu", eos_token_ids, cfg)
+        self._tokenizer, self._tokenizer_missing = tokenizer, False
+
+    @property
+    def tokenizer(self):
+        """The tokenizer given, or the one saved beside from_pretrained's weights; None if neither."""
+        if self._tokenizer is None and self.path is not None and not self._tokenizer_missing:
+            # only with a saved tokenizer: transformers would build an empty one from config.json alone
+            if any(os.path.exists(os.path.join(self.path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+                from transformers import AutoTokenizer
+                self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+            else:
+                self._tokenizer_missing = True
+        return self._tokenizer
 
     @classmethod
     def from_config(cls, hf_config, dtype: torch.dtype = torch.float32, device=None, tp_group=None,
@@ -229,11 +244,15 @@ class LLM:
 
     # ---- generation ----
 
-    def generate(self, prompt_token_ids, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Complete each prompt (a list of token ids) `params.n` times; outputs in prompt order."""
-        if prompt_token_ids and isinstance(prompt_token_ids[0], int):
-            prompt_token_ids = [prompt_token_ids]
+        """Complete each prompt `params.n` times; outputs in prompt order. A prompt is a string
+        (tokenized with the engine's tokenizer, special tokens added as the tokenizer does) or a
+        list of token ids; one prompt may be given alone."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        prompt_token_ids = self._tokenize(prompts) if any(t is not None for t in texts) else prompts
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompt_token_ids)
         if len(sampling_params) != len(prompt_token_ids):
@@ -263,10 +282,21 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        tokenizer = self.tokenizer
+        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None \
+            else (lambda ids: None)
         return [RequestOutput(seqs[0].request_id, seqs[0].token_ids[:seqs[0].num_prompt_tokens],
-                              [CompletionOutput(s.sample_index, s.completion_token_ids, s.logprobs, s.finish_reason)
-                               for s in seqs])
-                for seqs in requests]
+                              [CompletionOutput(s.sample_index, s.completion_token_ids, s.logprobs, s.finish_reason,
+                                                decode(s.completion_token_ids))
+                               for s in seqs], text)
+                for seqs, text in zip(requests, texts)]
+
+    def _tokenize(self, prompts) -> list[list[int]]:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("string prompts need a tokenizer: load the engine with LLM.from_pretrained(dir) from "
+                             "a directory holding one, or pass tokenizer=...; or give token ids")
+        return [tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in prompts]
 
     def step(self) -> tuple[list[Sequence], bool]:
         """One engine step: schedule, run the model, append the sampled tokens.

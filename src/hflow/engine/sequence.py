@@ -51,21 +51,28 @@ class SamplingParams:
 
 @dataclass
 class CompletionOutput:
-    """One sampled completion. `logprobs[t]` = log_softmax(logits / T)[token_ids[t]]
+    """One sampled completion. `token_ids` end with the stop token when finish_reason is
+    "stop" (the EOS or stop id sampled is part of the response: a trainer scores and learns
+    the choice to stop, as vLLM returns it); with "length" there is none. `text` is
+    tokenizer.decode(token_ids, skip_special_tokens=True), so a special EOS does not show
+    (None when the engine has no tokenizer). `logprobs[t]` = log_softmax(logits / T)[token_ids[t]]
     (raw logits when T == 0), under the full distribution, before top-k/top-p filtering
     (SamplingParams says why)."""
     index: int
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    text: str | None = None
 
 
 @dataclass
 class RequestOutput:
-    """All completions of one prompt, `outputs[j]` for sample j."""
+    """All completions of one prompt, `outputs[j]` for sample j; `prompt` is the prompt's text
+    when it was given as a string."""
     request_id: int
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt: str | None = None
 
 
 class Status(Enum):
