@@ -51,6 +51,7 @@ import importlib.util
 import json
 import os
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -167,7 +168,7 @@ def prepare(name: str, args, root: Path) -> dict:
     work.mkdir(parents=True)
     (work / "bench_rl_reward.py").write_text(REWARD_MODULE)
     grpo, ppo = recipe_config("grpo"), recipe_config("ppo")
-    spec = dict(name=name, work=str(work), steps=args.steps, lr=grpo.actor.optim.lr)
+    spec = dict(name=name, work=str(work), steps=args.steps, lr=grpo.actor.optim.lr, extra=shlex.split(args.hflow_flags))
     if name == "default":
         from hflow.data import DataConfig, load_prompts
         from hflow.default_model import default_model_dir, default_policy_dir
@@ -234,6 +235,7 @@ def run_hflow(spec: dict, algo: str, ranks: int, threads: int, tag: str) -> list
         # micro-batches: the recipes' 8192-token budget (one packed micro-batch per rank here, as TRL's 64)
         cmd += ["--data.batch-size", str(batch), "--rollout.n", str(n), "--rollout.max-tokens", str(max_tokens)]
     cmd += spec["ppo_flags"] if algo == "ppo" else []
+    cmd += spec["extra"]
     pythonpath = os.pathsep.join([spec["work"], str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
     start = time.perf_counter()
     # HFLOW_COUNT_COMM: the bytes each rank's collectives receive per step (comm/*; costs well under 1 %)
@@ -431,6 +433,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16, help="prompts per step (equal/vary)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (equal/vary)")
     ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--hflow-flags", default="", help="more flags for hflow's recipes, e.g. '--rollout.tp-size 2'")
     ap.add_argument("--quick", action="store_true", help="tiny model, 16 new tokens, equal only, 2 steps, 1 round")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (models, logs, metrics)")
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
