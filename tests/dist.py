@@ -10,6 +10,13 @@ from dataclasses import dataclass
 PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")  # the torchrun worker programs
 
 
+def device() -> str:
+    """The ranks' HFLOW_DEVICE: the test run's own (scripts/gpu_check.sh sets cuda), else cpu,
+    so that the ranks are CPU ranks even on a host with a GPU (hflow.launch would otherwise put
+    rank i on cuda:i)."""
+    return os.environ.get("HFLOW_DEVICE", "cpu")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,7 +48,8 @@ def script_path(script: str, tmp_path) -> str:
 
 
 def torchrun(script: str, nproc: int, args=(), timeout: float = 300, tmp_path=None, env=None) -> Run:
-    """Run `script` (a path, or Python source when it contains a newline) on `nproc` CPU ranks.
+    """Run `script` (a path, or Python source when it contains a newline) on `nproc` ranks on
+    device() (CPU unless HFLOW_DEVICE says otherwise).
 
     The whole process group is killed at `timeout`, so a deadlock fails the test instead of
     hanging CI.
@@ -50,10 +58,8 @@ def torchrun(script: str, nproc: int, args=(), timeout: float = 300, tmp_path=No
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), script, *map(str, args)]
-    # HFLOW_DEVICE=cpu: these are CPU ranks even on a host with a GPU (hflow.launch would
-    # otherwise put rank i on cuda:i)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "HFLOW_DEVICE": "cpu", **(env or {})}
+                "HFLOW_DEVICE": device(), **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env)
     try:
@@ -121,7 +127,7 @@ def run_ranks(script: str, nproc: int, args=(), timeout: float = 300, tmp_path=N
     start = time.monotonic()
     for rank in range(nproc):
         rank_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "HFLOW_DEVICE": "cpu", **(env or {}),
+                    "HFLOW_DEVICE": device(), **(env or {}),
                     "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                     "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port)}

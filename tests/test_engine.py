@@ -82,7 +82,7 @@ def reference_logprobs(model, prompt, completion, temperature=1.0):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_greedy_matches_transformers_generate(saved, arch):
     path, model = saved[arch]
-    llm = LLM.from_pretrained(path)
+    llm = LLM.from_pretrained(path, device=DEVICE)
     prompts = prompts_of(PROMPT_LENGTHS, seed=len(arch))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))  # one batch of all 64
     for prompt, out in zip(prompts, outs):
@@ -102,7 +102,7 @@ def test_packed_weights_match_transformers_generate(saved, arch, monkeypatch):
     import hflow.engine.model_runner as model_runner
 
     path, model = saved[arch]
-    llm = LLM.from_pretrained(path)
+    llm = LLM.from_pretrained(path, device=DEVICE)
     if not llm.runner.packable:
         pytest.skip("no oneDNN packed matmul here")
     monkeypatch.setattr(model_runner, "PACK_MIN_STEPS", 1)
@@ -120,7 +120,7 @@ def test_packed_weights_match_transformers_generate(saved, arch, monkeypatch):
 
 def test_sampled_logprobs_match_forward(saved):
     path, model = saved["qwen2"]
-    llm = LLM.from_pretrained(path)
+    llm = LLM.from_pretrained(path, device=DEVICE)
     prompts = prompts_of([5, 20, 40])
     temp = 0.7
     outs = llm.generate(prompts, SamplingParams(n=3, temperature=temp, top_k=12, top_p=0.9, max_tokens=16, seed=3))
@@ -202,7 +202,7 @@ def test_prefix_caching_and_preemption_give_the_same_tokens(saved):
     results = []
     for opts in (dict(), dict(enable_prefix_caching=False), dict(num_kv_blocks=9), dict(num_kv_blocks=9, max_num_seqs=3),
                  dict(max_num_batched_tokens=40)):  # one prompt per prefill step
-        llm = LLM.from_pretrained(path, **opts)
+        llm = LLM.from_pretrained(path, device=DEVICE, **opts)
         g = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, greedy)]
         s = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sampled)]
         results.append((g, s, llm.stats()))
@@ -218,20 +218,20 @@ def test_block_counts_show_prefix_sharing(saved):
     path, _ = saved["qwen3"]
     prompt = prompts_of([70])[0]  # 4 full blocks of 16 + 6 tokens
     params = SamplingParams(n=8, temperature=1.0, max_tokens=4, ignore_eos=True, seed=0)
-    shared = LLM.from_pretrained(path, block_size=16)
+    shared = LLM.from_pretrained(path, device=DEVICE, block_size=16)
     shared.generate([prompt], params)
     # 4 shared prompt blocks + each sample's own last block (6 prompt tokens + 4 new)
     assert shared.stats()["peak_used_blocks"] == 4 + 8
     shared.generate([prompt, prompt], SamplingParams(n=1, temperature=0, max_tokens=4, ignore_eos=True))
     assert shared.stats()["peak_used_blocks"] == 4 + 2  # identical prompts across requests share too
-    unshared = LLM.from_pretrained(path, block_size=16, enable_prefix_caching=False)
+    unshared = LLM.from_pretrained(path, device=DEVICE, block_size=16, enable_prefix_caching=False)
     unshared.generate([prompt], params)
     assert unshared.stats()["peak_used_blocks"] == 8 * 5
 
 
 def test_max_tokens_stop_tokens_and_ignore_eos(saved, tmp_path):
     path, model = saved["qwen2"]
-    llm = LLM.from_pretrained(path)
+    llm = LLM.from_pretrained(path, device=DEVICE)
     prompts = prompts_of([12, 30])
     free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     for prompt, out in zip(prompts, free):
@@ -253,7 +253,7 @@ def test_max_tokens_stop_tokens_and_ignore_eos(saved, tmp_path):
     model.generation_config.eos_token_id = c.token_ids[7]
     model.save_pretrained(str(tmp_path))
     model.generation_config.eos_token_id = EOS
-    eos_llm = LLM.from_pretrained(str(tmp_path))
+    eos_llm = LLM.from_pretrained(str(tmp_path), device=DEVICE)
     stopped = eos_llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
     assert stopped.token_ids == c.token_ids[:c.token_ids.index(c.token_ids[7]) + 1]
     assert stopped.finish_reason == "stop"
@@ -263,7 +263,7 @@ def test_max_tokens_stop_tokens_and_ignore_eos(saved, tmp_path):
 
 def test_same_seed_same_tokens(saved):
     path, _ = saved["mistral"]
-    llm = LLM.from_pretrained(path)
+    llm = LLM.from_pretrained(path, device=DEVICE)
     prompts = prompts_of([10, 25])
     params = SamplingParams(n=4, temperature=1.0, max_tokens=20, ignore_eos=True, seed=5)
     a = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
@@ -281,7 +281,7 @@ def test_sleep_wake_and_load_weights_in_place(saved):
     path, model = saved["qwen3"]
     prompts = prompts_of([5, 18, 40])
     params = SamplingParams(n=2, temperature=0.9, max_tokens=16, seed=1)
-    llm = LLM.from_pretrained(path)
+    llm = LLM.from_pretrained(path, device=DEVICE)
     first = llm.generate(prompts, params)
     params_before = dict(llm.model.named_parameters())
 
@@ -304,14 +304,14 @@ def test_sleep_wake_and_load_weights_in_place(saved):
     loaded = llm.load_weights(other.state_dict().items())
     assert {n: p.data_ptr() for n, p in llm.model.named_parameters()} == ptrs
     assert "model.layers.1.self_attn.k_proj.weight" in loaded
-    assert _tokens(llm.generate(prompts, params)) == _tokens(LLM.from_model(other).generate(prompts, params))
+    assert _tokens(llm.generate(prompts, params)) == _tokens(LLM.from_model(other, device=DEVICE).generate(prompts, params))
 
 
 def test_kv_blocks_are_zeroed_on_first_use(saved):
     """The cache is allocated uninitialised and a block is zeroed when first handed out:
     garbage (NaN) in the rest never reaches the outputs, and waking up costs no full zeroing."""
     path, _ = saved["qwen2"]
-    llm = LLM.from_pretrained(path)
+    llm = LLM.from_pretrained(path, device=DEVICE)
     prompts, params = prompts_of([5, 20, 40]), SamplingParams(n=3, temperature=1.0, max_tokens=20, seed=2)
     expected = _tokens(llm.generate(prompts, params))
     runner, allocate = llm.runner, llm.runner.allocate_kv_cache
@@ -337,13 +337,13 @@ def test_constructors_agree(saved):
     path, model = saved["llama"]
     prompts = prompts_of([7, 30])
     params = SamplingParams(temperature=0, max_tokens=12)
-    expected = _tokens(LLM.from_pretrained(path).generate(prompts, params))
-    assert _tokens(LLM.from_model(model).generate(prompts, params)) == expected
-    assert _tokens(LLM.from_state_dict(model.state_dict(), model.config).generate(prompts, params)) == expected
-    assert _tokens(LLM.from_model(model, engine_config=EngineConfig(block_size=8)).generate(prompts, params)) == expected
+    expected = _tokens(LLM.from_pretrained(path, device=DEVICE).generate(prompts, params))
+    assert _tokens(LLM.from_model(model, device=DEVICE).generate(prompts, params)) == expected
+    assert _tokens(LLM.from_state_dict(model.state_dict(), model.config, device=DEVICE).generate(prompts, params)) == expected
+    assert _tokens(LLM.from_model(model, device=DEVICE, engine_config=EngineConfig(block_size=8)).generate(prompts, params)) == expected
     with pytest.raises(TypeError, match="from_model"):
         LLM(model)
-    empty = LLM.from_config(model.config, dtype=torch.float32)
+    empty = LLM.from_config(model.config, dtype=torch.float32, device=DEVICE)
     empty.load_weights(model.state_dict().items())
     assert _tokens(empty.generate(prompts, params)) == expected
 
@@ -354,13 +354,13 @@ def test_clear_errors(saved):
     with pytest.raises(ValueError, match=r"'gpt2'.*llama, mistral, qwen2, qwen3"):
         LLM(GPT2Config(n_layer=1, n_embd=32, n_head=2))
     path, model = saved["qwen2"]
-    llm = LLM.from_pretrained(path)
+    llm = LLM.from_pretrained(path, device=DEVICE)
     with pytest.raises(KeyError, match="unexpected weight"):
         llm.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match=r"has shape \(3, 3\)"):
         llm.load_weights([("model.norm.weight", torch.zeros(3, 3))])
     with pytest.raises(ValueError, match="KV blocks"):
-        LLM.from_pretrained(path, num_kv_blocks=2).generate([[5] * 40], SamplingParams(max_tokens=10))
+        LLM.from_pretrained(path, device=DEVICE, num_kv_blocks=2).generate([[5] * 40], SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match=r"outside \[0, 96\)"):
         llm.generate([[5, 6], [7, VOCAB]])  # the first, valid request is dropped too
     assert llm.scheduler.is_finished()
@@ -465,7 +465,7 @@ def test_string_prompts_and_text(saved):
     assert bare.generate([ids], params)[0].outputs[0].text is None
     with pytest.raises(ValueError, match="string prompts need a tokenizer"):
         bare.generate([text], params)
-    assert LLM.from_pretrained(saved["qwen2"][0]).tokenizer is None   # weights only: no empty tokenizer made up
+    assert LLM.from_pretrained(saved["qwen2"][0], device=DEVICE).tokenizer is None   # weights only: no empty tokenizer made up
     given = LLM.from_model(model, tokenizer=tokenizer, device=DEVICE)
     assert _tokens(given.generate([text], params)) == _tokens(by_ids[:1])
 
@@ -601,15 +601,20 @@ def test_default_kv_budget_on_cpu_and_on_a_gpu(saved, monkeypatch):
 
     path, _ = saved["llama"]
     if DEVICE.type == "cpu":  # 2 layers x 2 KV heads x 16 x fp32 x 2 (K, V) x 16 tokens = 8 KiB a block
-        assert LLM.from_pretrained(path, max_num_seqs=4).block_manager.num_blocks == 4 * 256 // 16
-        assert LLM.from_pretrained(path).block_manager.num_blocks == min(256 * 16, (1 << 30) // 8192)
+        assert LLM.from_pretrained(path, device=DEVICE, max_num_seqs=4).block_manager.num_blocks == 4 * 256 // 16
+        assert LLM.from_pretrained(path, device=DEVICE).block_manager.num_blocks == min(256 * 16, (1 << 30) // 8192)
         return
-    llm = LLM.from_pretrained(path, device=DEVICE, max_num_seqs=100000, gpu_memory_fraction=0.5)
-    total, used = llm_module.device_memory(DEVICE)
-    per_block = 8192 * (1 + 1 / 2)
-    blocks = llm.block_manager.num_blocks
-    assert 0 < blocks <= (0.5 * total - used) / per_block
+    # more sequences than fit: the fraction decides
+    llm = LLM.from_pretrained(path, device=DEVICE, max_num_seqs=2 * 10**6, gpu_memory_fraction=0.3)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    total, used = llm_module.device_memory(DEVICE)
+    used -= llm.runner.kv_cache.nbytes + llm.runner.workspace.nbytes   # what the engine's cache took
+    per_block = 8192 + 8192 // 2
+    headroom = llm_module.step_activation_bytes(llm.hf_config, 8192, 2 * 10**6, 4)
+    expected = llm_module.kv_blocks_for_memory(total, used, 0.3, per_block, headroom)
+    blocks = llm.block_manager.num_blocks
+    print(f"{blocks} KV blocks on {DEVICE} (expected {expected}; {total / 2**30:.1f} GiB, {used / 2**30:.2f} used)")
+    assert abs(blocks - expected) <= 0.01 * expected
     assert llm.runner.kv_cache.numel() * 4 == (blocks + 1) * 8192
 
 
