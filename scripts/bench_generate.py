@@ -8,6 +8,8 @@ Workloads (`--workload`), each on a random Qwen2, fp32, sampling at temperature 
               "47<eos>"); the default model's size (hidden 256, 4 layers, vocab 512).
   grpo-equal  16 prompts of 8-64 tokens x n=4, <= 32 new tokens, no EOS (all full length); 25M.
   grpo-vary   the same with <= 96 new tokens and EOS prob 0.015 (mean length ~50).
+  gpu-0.5b    for a GPU (--device cuda): Qwen2.5-0.5B's shape (494M params, vocab 151,936), 64
+              prompts of 32-256 tokens x n=4, <= 256 new tokens, EOS prob 0.004 (mean ~200).
 The three recipe workloads run the engine as the recipes' rollout does: the default KV budget
 (256 sequences of max_model_len = 256 tokens, <= 1 GiB), and between calls (untimed) asleep
 at level 2, woken up and loaded with the weights again, so that every timed generate()
@@ -30,6 +32,7 @@ overhead = profiled step wall time - time in torch ops, and the top ops.
     python scripts/bench_generate.py                     # the full comparison (~1 min idle)
     python scripts/bench_generate.py --workload grpo-equal --per-rank --peers generate --repeat 5
     python scripts/bench_generate.py --workload default --profile
+    python scripts/bench_generate.py --workload gpu-0.5b --device cuda --peers generate   # bf16
 """
 from __future__ import annotations
 
@@ -41,13 +44,16 @@ import torch
 
 
 # model sizes: hidden, layers, query heads, KV heads, intermediate, vocab
-SIZES = {"25m": (512, 8, 8, 4, 1376, 4096), "default": (256, 4, 4, 2, 1024, 512)}
+SIZES = {"25m": (512, 8, 8, 4, 1376, 4096), "default": (256, 4, 4, 2, 1024, 512),
+         "0.5b": (896, 24, 14, 2, 4864, 151936)}
 # model, prompts, n, prompt lengths, max new tokens, EOS prob per token
 WORKLOADS = {
     "large": dict(size="25m", prompts=32, n=4, lengths=(8, 96), max_new_tokens=96, eos_prob=0.015, recipe=False),
     "default": dict(size="default", prompts=32, n=8, lengths=(6, 8), max_new_tokens=5, eos_prob=0.2, recipe=True),
     "grpo-equal": dict(size="25m", prompts=16, n=4, lengths=(8, 64), max_new_tokens=32, eos_prob=0.0, recipe=True),
     "grpo-vary": dict(size="25m", prompts=16, n=4, lengths=(8, 64), max_new_tokens=96, eos_prob=0.015, recipe=True),
+    "gpu-0.5b": dict(size="0.5b", prompts=64, n=4, lengths=(32, 256), max_new_tokens=256, eos_prob=0.004,
+                     recipe=False),
 }
 
 
@@ -96,8 +102,9 @@ def setup_hflow(model, prompts, n, max_new, eos, seed, recipe=False):
     if recipe:
         llm = LLM.from_model(model, block_size=16, max_num_seqs=256)
     else:
-        llm = LLM.from_model(model, block_size=16, num_kv_blocks=len(prompts) * n * (96 + max_new) // 16 + 64,
-                  max_num_seqs=len(prompts) * n)
+        per_seq = -(-(max(map(len, prompts)) + max_new) // 16)
+        llm = LLM.from_model(model, block_size=16, num_kv_blocks=len(prompts) * n * per_seq + 64,
+                             max_num_seqs=len(prompts) * n)
     llm.generate(prompts[:4], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=seed))
 
     def prepare():  # untimed: what the rollout does between two generate() calls
@@ -115,8 +122,8 @@ def setup_hflow(model, prompts, n, max_new, eos, seed, recipe=False):
 def setup_generate(model, prompts, n, max_new, eos, seed):
     def go(batch, new):
         width = max(map(len, batch))
-        ids = torch.tensor([[eos] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                                  top_p=1.0, num_return_sequences=n, max_new_tokens=new, eos_token_id=eos,
@@ -234,6 +241,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per engine (interleaved); best is kept")
     ap.add_argument("--profile", action="store_true", help="profile hflow's decode steps (no peers)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 on CUDA, float32 on CPU")
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
     for key in ("prompts", "n", "max_new_tokens", "eos_prob"):
@@ -244,9 +254,13 @@ def main():
 
     torch.set_num_threads(args.threads)
     model, eos = make_model(w["size"], args.eos_prob, args.seed, max_len=256 if w["recipe"] else 512)
+    from hflow.engine.__main__ import default_dtype
+    dtype = default_dtype(args.device) if args.dtype == "auto" else getattr(torch, args.dtype)
+    model.to(device=args.device, dtype=dtype)
     prompts = make_prompts(args.prompts, w["lengths"], model.config.vocab_size, eos, args.seed + 1)
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: Qwen2 {params / 1e6:.1f}M params, fp32, {args.threads} threads; workload {args.workload}: "
+    print(f"model: Qwen2 {params / 1e6:.1f}M params, {str(dtype)[6:]} on {args.device}, {args.threads} threads; "
+          f"workload {args.workload}: "
           f"{args.prompts} prompts of {w['lengths'][0]}-{w['lengths'][1]} tokens x n={args.n}, "
           f"<= {args.max_new_tokens} new tokens, EOS prob {args.eos_prob}/token")
     if args.profile:
