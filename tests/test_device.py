@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from dist import PROGRAMS, device, torchrun
-from test_engine import DEVICE, VOCAB, prompts_of, saved, tiny_model  # noqa: F401  (saved: a fixture)
+from test_engine import DEVICE, prompts_of, saved  # noqa: F401  (saved: a fixture)
 from test_fsdp import TESTS_ENV, tiny_model_dir
 
 from hflow.engine import LLM, SamplingParams

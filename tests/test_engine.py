@@ -596,7 +596,7 @@ def test_kv_blocks_for_memory():
     assert step_activation_bytes(cfg, 100, 8, 2) == 100 * per_token * 2 + 8 * VOCAB * 32
 
 
-def test_default_kv_budget_on_cpu_and_on_a_gpu(saved, monkeypatch):
+def test_default_kv_budget_on_cpu_and_on_a_gpu(saved):
     import hflow.engine.llm as llm_module
 
     path, _ = saved["llama"]
