@@ -641,6 +641,12 @@ def test_kv_budget_is_measured_at_each_allocation(saved, monkeypatch):
     used[0] = int(72 * gib - 100 * per_block)
     assert _tokens(llm.generate(prompts, params)) == expected
     assert llm.block_manager.num_blocks == 100
+    for fits, kept in ((104, 100), (200, 200)):   # it grows only for more than 5 %
+        used[0] = int(72 * gib - fits * per_block)
+        llm.sleep()
+        llm.wake_up()
+        llm.generate(prompts, params)
+        assert llm.block_manager.num_blocks == kept
     used[0] = 72 * gib
     llm.sleep()
     llm.wake_up()

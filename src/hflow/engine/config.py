@@ -21,8 +21,8 @@ class EngineConfig:
     gpu_memory_fraction: without an explicit budget on a GPU, the share of the device's memory
         the engine may fill: the cache gets fraction * total - (memory in use) - (a step's
         activations), measured each time it is allocated (so after the weights are in, and
-        beside whatever training state the process holds), as vLLM's gpu_memory_utilization.
-        Ignored on CPU.
+        beside whatever training state the process holds; the budget shrinks when it must and
+        grows only by more than 5 %), as vLLM's gpu_memory_utilization. Ignored on CPU.
     max_num_seqs: sequences running at once (a decode step's batch).
     max_num_batched_tokens: new tokens in one prefill step (one longer prompt still runs alone).
     max_model_len: longest prompt + completion; default: the config's max_position_embeddings.

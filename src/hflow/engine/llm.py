@@ -261,7 +261,9 @@ class LLM:
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         if self._size_from_memory and self.runner.kv_cache is None:
             num_blocks = self._num_kv_blocks()   # memory free now: training state may have grown
-            if num_blocks != self.block_manager.num_blocks:
+            held = self.block_manager.num_blocks
+            # shrink to fit; grow only for a real gain (a new block manager costs ~1 us a block)
+            if num_blocks < held or num_blocks > held * 1.05:
                 self._make_cache(num_blocks)
         self.block_manager.peak_used_blocks = self.block_manager.num_used_blocks
         self.scheduler.num_preemptions = 0
