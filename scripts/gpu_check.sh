@@ -14,7 +14,8 @@
 # 3. grpo    scripts/gpu_grpo_steps.py: 3 GRPO steps (actor + frozen reference, bf16) on a random
 #            0.5B-shaped model: each phase's time and memory peak.
 #
-# Logs go to $HFLOW_GPU_CHECK_DIR (default outputs/gpu_check/<time>); each part has a time limit.
+# Logs go to $HFLOW_GPU_CHECK_DIR (default outputs/gpu_check/<time>; on a lent device machine,
+# HFLOW_GPU_CHECK_DIR=$OUT/gpu_check brings them back); each part has a time limit.
 # Multi-rank tests are not run: NCCL takes one process per GPU.
 # HFLOW_DEVICE=cpu scripts/gpu_check.sh: a dry run of the script itself on CPU (tiny sizes, a
 # few tests), to check its plumbing where there is no GPU.
