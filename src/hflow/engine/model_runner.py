@@ -226,9 +226,6 @@ class ModelRunner:
         self.num_copies["to_host"] += 1
         return tensor.tolist()
 
-    def _slot(self, seq: Sequence, pos: int) -> int:
-        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
-
     # ---- one step ----
 
     @torch.inference_mode()
