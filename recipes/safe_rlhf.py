@@ -27,16 +27,15 @@ both critics and the actor (PPO clip) on the advantage (A_r - lambda * A_c) / (1
 channel's A whitened first (as OmniSafe's PPO-Lag: the two models' scales are arbitrary).
 
 The embedded default (no --model.path) is a conflict built on the arithmetic task
-(hflow.data.safety): a problem with an operand in 70-79 is forbidden (21 % of them) and its only
-safe answer is a refusal (a response with no digit, e.g. EOS at once); answering it, right or
-wrong, is unsafe. The reward model prefers right answers (hflow.preference's arithmetic pairs),
-the cost model is trained on hflow.data.safety's pairs; both are trained once and cached. The
-starting policy is the warmed-up default after 30 supervised steps whose target is a refusal for
-half the forbidden problems and a tenth of the allowed ones, picked at random: it refuses ~20 %
-of forbidden and ~10 % of allowed problems when sampled (the warm-up alone refuses with
-probability ~1e-4, which RL never finds). Rule-checked figures are logged as safety/* (training
-samples) and eval/* (held-out, greedy): answer accuracy on allowed problems, refusal rate on
-forbidden ones, over-refusal, unsafe fraction.
+(hflow.data.safety): subtractions are forbidden (a third of the problems) and the only safe
+response to one is a refusal (a response with no digit, e.g. EOS at once); answering it, right
+or wrong, is unsafe. The reward model prefers right answers (hflow.preference's arithmetic
+pairs), the cost model is trained on hflow.data.safety's pairs; both are trained once and
+cached. The starting policy is the warmed-up default after 30 supervised steps whose target is
+a refusal for a random fifth of the problems: it refuses ~22 % of them when sampled, not knowing
+which are forbidden (the warm-up alone refuses with probability ~1e-4, which RL never samples).
+Rule-checked figures are logged as safety/* (training samples) and eval/* (held-out, greedy):
+answer accuracy on allowed problems, refusal rate on forbidden ones, over-refusal, unsafe fraction.
 
 Supports: a reward and a cost model from any directory that shares the policy's tokenizer (a rule
 reward with --reward.model ''), a fixed lambda (--algo.lambda-lr 0; lambda 0 is a fixed point of
@@ -80,7 +79,7 @@ CONSOLE_KEYS = ("reward/mean", "cost/mean", "lambda", "safety/answer_accuracy", 
 @dataclass
 class SafeRLHFConfig:
     cost_threshold: float = by_model(-7.5, 0.0)
-    """d: the constraint is mean cost <= d (cost > 0 means unsafe). The embedded default's cost model scores safe responses ~-8.5 and unsafe ones ~+8.3: -7.5 allows ~6 % unsafe ones; 0 is Safe-RLHF's."""
+    """d: the constraint is mean cost <= d (cost > 0 means unsafe). The embedded default's cost model scores safe responses ~-8.7 and unsafe ones ~+8.9: -7.5 allows ~7 % unsafe ones; 0 is Safe-RLHF's."""
     lambda_init: float = by_model(5.0, 1.0)
     """Initial Lagrange multiplier (0 holds it at 0: PPO on the reward alone). The embedded default starts at the cap: the reward model rates refusals so low that they die out before a smaller lambda has grown; 1 is Safe-RLHF's."""
     lambda_lr: float = 0.1
@@ -259,6 +258,9 @@ def main(cluster: hflow.Cluster, cfg: Config):
             answers = [p.ground_truth for p in prompts for _ in range(cfg.rollout.n)]
             texts = [p.prompt for p in prompts for _ in range(cfg.rollout.n)]
             metrics |= {f"safety/{k}": v for k, v in rule_metrics(texts, response_texts(batch, tokenizer), answers).items()}
+            allowed = torch.tensor([not is_forbidden(t) for t in texts])
+            # refusing the forbidden third costs reward by design: the part the policy may earn is this one
+            metrics["reward/allowed_mean"] = scores[allowed].mean().item() if allowed.any() else float("nan")
         metrics |= rollout_metrics(batch) | timer.pop()
         metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
         run.end_step(step, metrics)
@@ -314,33 +316,31 @@ def evaluate(actor, val, tokenizer, rewards: Rewards, rollout: RolloutConfig, si
 
 
 # Bump when refusing_policy's settings change what it builds: its cache directory carries it.
-REFUSING_POLICY_VERSION = 2
+REFUSING_POLICY_VERSION = 3
 
 
-def refusing_policy(cluster, policy_dir: str, train, tokenizer, forbidden_rate: float = 0.5, allowed_rate: float = 0.1,
-                    steps: int = 30, lr: float = 3e-4, batch_size: int = 128) -> str:
+def refusing_policy(cluster, policy_dir: str, train, tokenizer, refusal_rate: float = 0.2, steps: int = 30,
+                    lr: float = 3e-4, batch_size: int = 128) -> str:
     """The embedded default's starting policy: the warmed-up policy after `steps` supervised
-    steps in which the target is a refusal (EOS at once) for a random `forbidden_rate` of the
-    forbidden problems and `allowed_rate` of the allowed ones, the answer otherwise. The
-    warm-up alone refuses with probability ~1e-4, too rare for RL to find; this one refuses
-    ~20 % of forbidden and ~10 % of allowed problems when sampled (an SFT model that refuses
-    sometimes, a little more often where it should). Built once, cached next to the warm-up."""
-    name = f"{Path(policy_dir).name}-refuse{forbidden_rate:g}-{allowed_rate:g}-s{steps}-v{REFUSING_POLICY_VERSION}"
-    final = Path(policy_dir).with_name(name)
+    steps in which the target is a refusal (EOS at once) for a random `refusal_rate` of the
+    problems, whatever they are, and the answer otherwise. The warm-up alone refuses with
+    probability ~1e-4, too rare for RL ever to sample; this one refuses ~22 % of problems, not
+    knowing which are forbidden (an SFT model that can refuse). Built once, cached next to the
+    warm-up."""
+    final = Path(policy_dir).with_name(f"{Path(policy_dir).name}-refuse{refusal_rate:g}-s{steps}-v{REFUSING_POLICY_VERSION}")
     if (final / "config.json").exists():
         return str(final)
     optim = OptimConfig(lr=lr, grad_clip=0.0)
     actor = cluster.spawn(Actor, ActorConfig(model_path=policy_dir, optim=optim, micro_batch_size=batch_size))
-    print(f"teaching the warmed-up default to refuse {forbidden_rate:.0%} of forbidden and {allowed_rate:.0%} of "
-          f"allowed problems (once; cached in {final})", flush=True)
+    print(f"teaching the warmed-up default to refuse {refusal_rate:.0%} of problems at random (once; cached in {final})",
+          flush=True)
     sampler = PromptSampler(train, batch_size, shuffle=True, seed=1)
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):
         rows = next(sampler)
-        draws = torch.rand(len(rows), generator=generator).tolist()
-        rows = [dataclasses.replace(p, ground_truth="") if u < (forbidden_rate if is_forbidden(p.prompt) else allowed_rate)
-                else p for p, u in zip(rows, draws)]
-        actor.update(supervised_batch(rows, tokenizer), nll_loss)
+        refuse = (torch.rand(len(rows), generator=generator) < refusal_rate).tolist()
+        actor.update(supervised_batch([dataclasses.replace(p, ground_truth="") if r else p
+                                       for p, r in zip(rows, refuse)], tokenizer), nll_loss)
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     actor.export_hf(str(tmp), policy_dir)
     actor.close()
