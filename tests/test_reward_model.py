@@ -36,6 +36,9 @@ def test_bradley_terry_loss_by_hand():
     chosen, rejected = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([0.0, 0.5, 2.0])
     by_hand = -(math.log(sigmoid(1.0)) + math.log(sigmoid(-1.0)) + math.log(sigmoid(0.0))) / 3
     assert bradley_terry_loss(chosen, rejected).item() == pytest.approx(by_hand, rel=1e-6)
+    # centering adds lambda * mean of the squared scores / 2, whatever the ranking
+    centred = by_hand + 0.1 * ((1 + 0) + (0.25 + 0.25) + (4 + 4)) / 3 / 2
+    assert bradley_terry_loss(chosen, rejected, center_coef=0.1).item() == pytest.approx(centred, rel=1e-6)
     # a huge margin stays finite (log-sigmoid, not log of a rounded sigmoid)
     assert bradley_terry_loss(torch.tensor([-200.0]), torch.tensor([200.0])).item() == pytest.approx(400.0)
 
@@ -88,6 +91,17 @@ def test_arithmetic_pairs_prefer_the_right_answer_over_a_wrong_one():
             assert row["chosen"] == answer and arithmetic_score(row["chosen"], answer) == 1.0
             assert arithmetic_score(row["rejected"], answer) == 0.0, row
     assert arithmetic_preference_rows("val", 0) == arithmetic_preference_rows("val", 0)
+    # a policy's own mistakes on a prompt each make one more pair, after the built-in one
+    prompt = arithmetic_preference_rows("val", 0)[0]["prompt"]
+    rows = arithmetic_preference_rows("val", 0, mistakes={prompt: ["7", "7"], "not a prompt": ["1"]})
+    assert len(rows) == 502 and [r["rejected"] for r in rows[1:3]] == ["7", "7"]
+    assert rows[0] == arithmetic_preference_rows("val", 0)[0]
+    # near misses: the answer - 10, - 1, + 1, + 10 after the built-in one, those below 0 left out
+    rows = arithmetic_preference_rows("val", 0, near_misses=True)
+    assert rows[0]["prompt"] == "36-31=" and [r["rejected"] for r in rows[1:4]] == ["4", "6", "15"]
+    assert all(arithmetic_score(r["rejected"], r["chosen"]) == 0.0 for r in rows)
+    assert len(rows) == 500 + sum(len([x for x in (-10, -1, 1, 10) if int(r["chosen"]) + x >= 0])
+                                  for r in arithmetic_preference_rows("val", 0))
     train_prompts = {r["prompt"] for r in arithmetic_preference_rows("train", 0)}
     assert not train_prompts & {r["prompt"] for r in arithmetic_preference_rows("val", 0)}
 

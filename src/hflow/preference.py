@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,23 +22,28 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from hflow.data import PromptSampler
+from hflow.data import DataConfig, PromptSampler, iter_batches, load_prompts
 from hflow.data.preference import PairDataConfig, builtin_pair_rows, pair_batch, tokenize_pairs
 from hflow.default_model import default_policy, default_policy_dir
-from hflow.workers.fsdp import OptimConfig
-from hflow.workers.reward import RewardModel, RewardModelConfig
-
-# Bump whenever anything changes what default_reward_model builds (its data, settings, or code that
-# changes its numbers): the cached directory carries it, so an old cache is not silently reused.
-REWARD_MODEL_VERSION = 1
-
+from hflow.metrics import progress
+from hflow.recipe import prompt_batch, response_texts
+from hflow.rewards.arithmetic import arithmetic_score
+from hflow.workers import Actor, ActorConfig, OptimConfig, RewardModel, RewardModelConfig, RolloutConfig
 
 # ---------------------------------------------------------------- losses and metrics
 
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """L = −mean_i log σ(r_i^chosen − r_i^rejected): the negative log-likelihood of the
-    preferences under Bradley–Terry, P(chosen ≻ rejected) = σ(r^chosen − r^rejected)."""
-    return -F.logsigmoid(chosen - rejected).mean()
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, center_coef: float = 0.0) -> torch.Tensor:
+    """L = −mean_i log σ(r_i^chosen − r_i^rejected) + λ · mean_i ((r_i^chosen)² + (r_i^rejected)²) / 2
+
+    The first term is the negative log-likelihood of the preferences under Bradley–Terry,
+    P(chosen ≻ rejected) = σ(r^chosen − r^rejected). It leaves every prompt a free offset (adding
+    c(x) to both scores changes nothing); the centering term (λ = `center_coef`) pulls a pair's
+    scores to ±margin / 2, so that 0 means the same on every prompt and an RL critic need not
+    learn the offsets (Eisenstein et al. 2023; Safe-RLHF's `regularization`)."""
+    loss = -F.logsigmoid(chosen - rejected).mean()
+    if center_coef:
+        loss = loss + center_coef * (chosen.square() + rejected.square()).mean() / 2
+    return loss
 
 
 def cost_model_loss(safer: torch.Tensor, unsafer: torch.Tensor, safer_is_safe: torch.Tensor,
@@ -67,9 +73,10 @@ def pair_metrics(scores: torch.Tensor, safe: torch.Tensor | None = None, cost: b
     return metrics
 
 
-def pair_loss(scores: torch.Tensor, mb, *, cost: bool = False):
-    """The loss RewardModel.update minimises on a micro-batch of pairs: Bradley–Terry, or the
-    cost model's ranking + sign terms (`cost`, which needs the batch's `safe` labels)."""
+def pair_loss(scores: torch.Tensor, mb, *, cost: bool = False, center_coef: float = 0.0):
+    """The loss RewardModel.update minimises on a micro-batch of pairs: Bradley–Terry (+ the
+    centering term), or the cost model's ranking + sign terms (`cost`, which needs the batch's
+    `safe` labels; its sign term already fixes the zero)."""
     chosen, rejected = scores[0::2], scores[1::2]
     if not bool((mb["chosen"][0::2] == 1).all() and (mb["chosen"][1::2] == 0).all()):
         raise ValueError("a micro-batch is not in pair layout (rows 2i chosen, 2i+1 rejected)")
@@ -79,7 +86,7 @@ def pair_loss(scores: torch.Tensor, mb, *, cost: bool = False):
                              "--data.chosen-safe-key and --data.rejected-safe-key")
         loss = cost_model_loss(chosen, rejected, mb["safe"][0::2], mb["safe"][1::2])
     else:
-        loss = bradley_terry_loss(chosen, rejected)
+        loss = bradley_terry_loss(chosen, rejected, center_coef)
     return loss, pair_metrics(scores.detach(), mb["safe"] if "safe" in mb else None, cost)
 
 
@@ -97,47 +104,119 @@ def evaluate_pairs(rm, pairs: list[tuple], pad_id: int, cost: bool = False, batc
 
 # ---------------------------------------------------------------- the embedded default's models
 
-def default_reward_model_dir(kind: str = "reward", rows: Callable | None = None, size: str = "default",
-                             seed: int = 0, cache_dir=None) -> Path:
+@dataclass(frozen=True)
+class DefaultJudge:
+    """How the embedded default's reward or cost model is built."""
+
+    backbone_accuracy: float
+    """its backbone: the embedded default supervised to this held-out accuracy (a cached warm-up)"""
+    lr: float
+    center_coef: float
+    """λ of the centering term (bradley_terry_loss)"""
+    steps: int
+    """optimizer steps of 64 pairs"""
+    version: int
+    """bump whenever anything changes what gets built: the cached directory carries it"""
+    schedule: str = "constant"
+    """learning-rate schedule after the warm-up (OptimConfig.schedule; cosine decays to 0 at `steps`)"""
+    mistake_samples: int = 0
+    """a reward model: samples per training prompt of the warmed-up policy whose mistakes become rejected responses"""
+    near_misses: bool = False
+    """a reward model: also reject the answer ± 1 and ± 10 on every prompt (hflow.data.preference)"""
+
+
+DEFAULT_JUDGES = {
+    # Started from the policy itself (0.5), a reward model shares the policy's blind spots: on the
+    # policy's own samples it ranks the right answer first 53 % of the time, and PPO on it learns
+    # wrong answers (held-out 0.53 -> 0.06). So the judge knows more than the student (its backbone
+    # is the warm-up continued to 0.95) and is trained on the policy's own mistakes (4 samples a
+    # prompt): it ranks a right sample over a wrong one of the same prompt 93 % of the time. PPO
+    # still finds what it gets wrong (near misses, e.g. a carry into the tens it rates right).
+    # Worse (version 5): 8 samples a prompt, 2500 steps, cosine: held-out pair accuracy 0.955 but
+    # 91 % on the policy's samples, and PPO's held-out accuracy fell 0.53 -> 0.46.
+    "reward": DefaultJudge(backbone_accuracy=0.95, lr=1e-4, center_coef=0.05, steps=1500, version=4,
+                           mistake_samples=4),
+    "cost": DefaultJudge(backbone_accuracy=0.5, lr=3e-4, center_coef=0.0, steps=600, version=1),
+}
+
+
+def policy_mistakes(cluster, policy, split: str, seed: int = 0, samples: int = 4) -> dict[str, list[str]]:
+    """prompt -> the wrong responses `policy` gives in `samples` samples (temperature 1) on the
+    arithmetic task's `split` prompts; a prompt it never got wrong is absent."""
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    prompts = load_prompts(DataConfig(task="arithmetic", task_seed=seed), tokenizer, split)
+    actor = cluster.spawn(Actor, ActorConfig(model_path=str(policy)))
+    rollout = RolloutConfig(n=samples, temperature=1.0, max_tokens=5, seed=seed, progress=False)
+    mistakes: dict[str, list[str]] = {}
+    for rows in iter_batches(prompts, 2048):
+        batch = actor.generate(prompt_batch(rows), rollout)
+        texts = response_texts(batch, tokenizer)
+        for i, text in enumerate(texts):
+            row = rows[i // samples]
+            if not arithmetic_score(text, row.ground_truth):
+                mistakes.setdefault(row.prompt, []).append(text)
+    actor.close()
+    return mistakes
+
+
+def default_pair_rows(cluster, kind: str = "reward", size: str = "default", seed: int = 0,
+                      cache_dir=None) -> tuple[list, list]:
+    """(train, held-out) pairs of the embedded default's reward model (the right answer over the
+    warmed-up policy's own mistakes, and over a `wrong_answer` per prompt) or cost model (the
+    safety task's pairs)."""
+    rows, samples = builtin_pair_rows(kind), DEFAULT_JUDGES[kind].mistake_samples
+    if not samples:
+        return rows("train", seed), rows("val", seed)
+    policy = default_policy(cluster, size, seed, cache_dir=cache_dir)
+    return tuple(rows(split, seed, mistakes=policy_mistakes(cluster, policy, split, seed, samples),
+                      near_misses=DEFAULT_JUDGES[kind].near_misses) for split in ("train", "val"))
+
+
+def default_reward_model_dir(kind: str = "reward", size: str = "default", seed: int = 0, cache_dir=None) -> Path:
     """Where `default_reward_model` caches its model (nothing is built here)."""
-    rows = rows or builtin_pair_rows(kind)
-    policy = default_policy_dir(size, seed, cache_dir=cache_dir)
-    return policy.with_name(f"{policy.name}-{kind}-{rows.__name__}-r{REWARD_MODEL_VERSION}")
+    judge = DEFAULT_JUDGES[kind]
+    backbone = default_policy_dir(size, seed, judge.backbone_accuracy, cache_dir)
+    return backbone.with_name(f"{backbone.name}-{kind}-r{judge.version}")
 
 
 def default_reward_model(cluster, kind: str = "reward", rows: Callable[[str, int], list[dict]] | None = None,
-                         size: str = "default", seed: int = 0, steps: int = 600, cache_dir=None) -> Path:
+                         size: str = "default", seed: int = 0, cache_dir=None) -> Path:
     """The embedded default's reward model (kind "reward") or cost model ("cost"), trained once
-    and cached next to the warmed-up policy it starts from (its backbone, a new score head).
+    and cached next to the warmed-up backbone it starts from (a new score head; see DEFAULT_JUDGES).
 
-    `rows(split, seed)` gives the pairs (default: `hflow.data.preference.builtin_pair_rows(kind)`:
-    the arithmetic pairs, or the safety task's for a cost model). Trained on the controller's
-    whole cluster (`steps` steps of 64 pairs), then exported; the directory appears complete
-    or not at all (written under a temporary name, renamed)."""
-    rows = rows or builtin_pair_rows(kind)
-    final = default_reward_model_dir(kind, rows, size, seed, cache_dir)
+    Pairs: `rows(split, seed)` if given, else `default_pair_rows(kind)`. Trained on the whole
+    cluster, then exported; the directory appears complete or not at all (written under a
+    temporary name, renamed)."""
+    judge = DEFAULT_JUDGES[kind]
+    final = default_reward_model_dir(kind, size, seed, cache_dir)
+    if rows is not None:
+        final = final.with_name(f"{final.name}-{rows.__name__}")
     if (final / "config.json").exists():
         return final
-    policy = default_policy(cluster, size, seed, cache_dir=cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(policy)
+    backbone = default_policy(cluster, size, seed, judge.backbone_accuracy, cache_dir=cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(backbone)
+    train, val = (rows("train", seed), rows("val", seed)) if rows else default_pair_rows(cluster, kind, size, seed, cache_dir)
     data = PairDataConfig()
-    train, val = (tokenize_pairs(rows(split, seed), tokenizer, data) for split in ("train", "val"))
+    train, val = tokenize_pairs(train, tokenizer, data), tokenize_pairs(val, tokenizer, data)
     cost = kind == "cost"
-    cfg = RewardModelConfig(model_path=str(policy), trainable=True, micro_batch_size=64,
-                            optim=OptimConfig(lr=3e-4, warmup_steps=20))
+    cfg = RewardModelConfig(model_path=str(backbone), trainable=True, micro_batch_size=64,
+                            optim=OptimConfig(lr=judge.lr, warmup_steps=20, schedule=judge.schedule,
+                                              total_steps=judge.steps))
     rm = cluster.spawn(RewardModel, cfg)
-    print(f"training the embedded default's {kind} model on {rows.__name__} (once; cached in {final})", flush=True)
+    print(f"training the embedded default's {kind} model on {len(train)} pairs (once; cached in {final})", flush=True)
     sampler = PromptSampler(train, data.batch_size, shuffle=True, seed=seed)
-    loss_fn = functools.partial(pair_loss, cost=cost)
-    for step in range(1, steps + 1):
+    loss_fn = functools.partial(pair_loss, cost=cost, center_coef=judge.center_coef)
+    bar = progress(total=judge.steps, desc=f"{kind} model")
+    for step in range(1, judge.steps + 1):
         metrics = rm.update(pair_batch(next(sampler), tokenizer.pad_token_id), loss_fn)[0]
-        if step % 100 == 0 or step == steps:
+        bar.update(1)
+        if step % 100 == 0 or step == judge.steps:
             held_out = evaluate_pairs(rm, val, tokenizer.pad_token_id, cost)
-            print(f"{kind} model step {step}: loss {metrics['rm/loss']:.4f}, train accuracy "
-                  f"{metrics['rm/accuracy']:.3f}, held-out " + ", ".join(f"{k} {v:.3f}" for k, v in held_out.items()),
-                  flush=True)
+            print(f"{kind} model step {step}: loss {metrics['rm/loss']:.4f}, held-out "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in held_out.items()), flush=True)
+    bar.close()
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-    rm.export_hf(str(tmp), str(policy))
+    rm.export_hf(str(tmp), str(backbone))
     rm.close()
     try:
         os.rename(tmp, final)

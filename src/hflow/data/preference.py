@@ -104,10 +104,14 @@ def wrong_answer(a: int, b: int, op: str, answer: int, rng: random.Random) -> st
     return rng.choice(["", "=", f"={answer}", "+", f"{answer}{answer}", f"{answer}0"])
 
 
-def arithmetic_preference_rows(split: str, seed: int = 0, pairs_per_prompt: int = 1) -> list[dict]:
+def arithmetic_preference_rows(split: str, seed: int = 0, mistakes: dict[str, list[str]] | None = None,
+                               near_misses: bool = False) -> list[dict]:
     """Pairs on the built-in arithmetic task's `split` ("train" or "val": its training / held-out
-    prompts for `seed`, as `--data.task arithmetic` splits them): the right answer is chosen, a
-    `wrong_answer` rejected. Rows {"prompt", "chosen", "rejected"}; texts without EOS."""
+    prompts for `seed`, as `--data.task arithmetic` splits them): the right answer over a
+    `wrong_answer`, one per prompt, and over each of a policy's `mistakes` on it (prompt ->
+    wrong responses, e.g. hflow.preference.policy_mistakes), and with `near_misses` over the
+    answer ± 1 and ± 10 (a slipped units digit, a carry lost or added: the errors PPO finds a
+    reward model rating right). Rows {"prompt", "chosen", "rejected"}; texts without EOS."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     train, held_out = task_splits("arithmetic", seed)
@@ -116,11 +120,12 @@ def arithmetic_preference_rows(split: str, seed: int = 0, pairs_per_prompt: int 
     for problem in train if split == "train" else held_out:
         prompt, answer = problem["prompt"], int(problem["answer"])
         a, op, b = int(prompt[:2]), prompt[2], int(prompt[3:5])
-        for _ in range(pairs_per_prompt):
+        rejected = wrong_answer(a, b, op, answer, rng)
+        while arithmetic_score(rejected, answer):   # "00" is a right 0: the checker decides
             rejected = wrong_answer(a, b, op, answer, rng)
-            while arithmetic_score(rejected, answer):   # "00" is a right 0: the checker decides
-                rejected = wrong_answer(a, b, op, answer, rng)
-            rows.append({"prompt": prompt, "chosen": str(answer), "rejected": rejected})
+        near = [str(x) for x in (answer - 10, answer - 1, answer + 1, answer + 10) if x >= 0] if near_misses else []
+        for wrong in [rejected, *(mistakes or {}).get(prompt, []), *near]:
+            rows.append({"prompt": prompt, "chosen": str(answer), "rejected": wrong})
     return rows
 
 
