@@ -41,13 +41,14 @@ Data (`--data.*`): jsonl / parquet / csv files, one pair a row, the columns name
   (the preferred column, 0 or 1, says which response is chosen; responses and labels swap on 1).
 
 No `--data.val-files`: the last `--data.val-fraction` of the pairs is held out. No files at all:
-the embedded default's pairs and backbone, as `hflow.preference.default_reward_model` builds them
-— the right answer over the warmed-up policy's own sampled mistakes and over a built-in wrong
-answer (a wrong units or tens digit, the other operation, a malformed response), on a backbone
-supervised to 0.95 held-out accuracy (a judge must know more than the 0.5 policy it judges: one
-started from the policy shares its blind spots and PPO learns to exploit them); `--cost`: the
-safety task's pairs (hflow.data.safety). The cached `--reward.model default` trains longer, with
-a cosine schedule (`hflow.preference.DEFAULT_JUDGES`).
+the embedded default's pairs and backbone, as `hflow.preference.default_reward_model` builds them:
+the right answer over the warmed-up policy's own sampled mistakes, over a built-in wrong answer
+(a wrong units or tens digit, the other operation, a malformed response) and over the near
+misses answer ± 1 and ± 10 (without them PPO learns the ones the judge rates right), on a
+backbone supervised to 0.95 held-out accuracy (a judge must know more than the 0.5 policy it
+judges: one started from the policy shares its blind spots and PPO learns to exploit them);
+`--cost`: the safety task's pairs (hflow.data.safety). The cached `--reward.model default`
+trains 1500 steps (`hflow.preference.DEFAULT_JUDGES`), this recipe `--steps`.
 
 Supports: any Llama-family causal LM or sequence classifier, data-parallel training on any
 number of ranks (a rank trains on whole pairs), chat-template prompts. Not: per-token (dense)
