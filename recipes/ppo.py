@@ -2,22 +2,25 @@
 
     torchrun --nproc-per-node 2 recipes/ppo.py                      # the embedded default task
     torchrun --nproc-per-node 4 recipes/ppo.py --trainer.placement split   # critic on its own ranks
+    torchrun --nproc-per-node 2 recipes/ppo.py --reward.model default      # a learned reward model only
     torchrun --nproc-per-node 8 recipes/ppo.py --model.path ~/models/Qwen2.5-0.5B-Instruct \
         --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
         --data.chat --reward.fn gsm8k --rollout.max-tokens 512 --actor.optim.lr 1e-6
     torchrun ... recipes/ppo.py --help                              # every flag, grouped
 
 Each step: sample responses with the actor (resharded into the generation engine on its own
-ranks), score them, read log-probs of the actor and the reference and the critic's values,
-put the score on the last token and -beta * KL(actor || ref) on every token, estimate
-advantages with GAE (whitened), then train the critic (clipped value loss) and — after
+ranks), score them (the rule `--reward.fn`, a reward model `--reward.model`, or rule + w * rm),
+read log-probs of the actor and the reference and the critic's values, put the score on the
+last token and -beta * KL(actor || ref) on every token, estimate advantages with GAE (whitened), then train the critic (clipped value loss) and — after
 `--algo.critic-warmup` steps — the actor (PPO clipped loss, optional entropy bonus), for
 `--actor.epochs` passes over `--actor.mini-batch-size` mini-batches.
 
-Supports: a fixed or adaptive KL controller, or KL as a loss (`--algo.kl-loss`), clip-higher
-and dual-clip, value clipping, critic warm-up, colocated or split placement (actor+reference
-and critic on disjoint ranks, running concurrently), checkpoints and resume, Hugging Face
-export. Not (yet): reward models in the loop (`hflow.RewardModel` exists), multi-turn.
+Supports: a reward model in the loop (a directory from recipes/reward_model.py, or `default`: the
+embedded default's, trained once and cached; the held-out accuracy stays the rule's), a fixed or
+adaptive KL controller, or KL as a loss (`--algo.kl-loss`), clip-higher and dual-clip, value
+clipping, critic warm-up, colocated or split placement (actor+reference and critic+reward model
+on disjoint ranks, running concurrently), checkpoints and resume, Hugging Face export.
+Not (yet): multi-turn.
 """
 from __future__ import annotations
 
