@@ -184,17 +184,16 @@ def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict,
         raise ValueError(f"dispatch 'dp': Batch arguments have different lengths {lengths}")
     n_rows = lengths.pop() if lengths else None
 
+    padded = {key: b.pad(n_shards)[0] for key, b in batch_args + batch_kwargs}   # pad each once
+    sized = [b for b in padded.values() if "attention_mask" in b]
     order = None
-    sized = [b for _, b in batch_args + batch_kwargs if "attention_mask" in b]
     if balance and n_shards > 1 and sized:
-        padded, _ = sized[0].pad(n_shards)
-        order = balanced_order(padded["attention_mask"].sum(-1).tolist(), n_shards)
+        order = balanced_order(sized[0]["attention_mask"].sum(-1).tolist(), n_shards)
 
-    def shards(b: Batch) -> list[Batch]:
-        padded, _ = b.pad(n_shards)
-        return (padded if order is None else padded[order]).split(n_shards)
-    arg_shards = {i: shards(b) for i, b in batch_args}
-    kwarg_shards = {k: shards(b) for k, b in batch_kwargs}
+    def shards(key) -> list[Batch]:
+        return (padded[key] if order is None else padded[key][order]).split(n_shards)
+    arg_shards = {i: shards(i) for i, _ in batch_args}
+    kwarg_shards = {k: shards(k) for k, _ in batch_kwargs}
 
     leaders = set(grid.dp_leaders())
     calls = []
