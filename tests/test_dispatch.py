@@ -75,3 +75,36 @@ def test_a_balanced_call_returns_rows_in_the_callers_order(rows, per_row):
     out = gather("dp", grid, context, results)
     assert out["row"].tolist() == torch.arange(rows).repeat_interleave(per_row).tolist()
     assert out["k"].tolist() == torch.arange(per_row).repeat(rows).tolist()
+
+
+def test_balanced_order_moves_the_samples_of_a_prompt_together():
+    rng = random.Random(7)
+    lengths = [rng.randint(1, 100) for _ in range(32)]
+    order = balanced_order(lengths, 2, unit=4)
+    assert all(row % 16 == j % 16 for j, row in enumerate(order))
+    assert all(order[j] // 4 == order[j - j % 4] // 4 and order[j] % 4 == j % 4 for j in range(32))
+    loads = [sum(lengths[row] for row in order[:16]), sum(lengths[row] for row in order[16:])]
+    assert abs(loads[0] - loads[1]) <= max(sum(lengths[u:u + 4]) for u in range(0, 32, 4))
+    assert balanced_order(lengths[:30], 2, unit=4) == balanced_order(lengths[:30], 2)   # 4 does not divide 15
+
+
+def test_a_balanced_rollout_keeps_each_prompts_samples_on_one_rank():
+    from hflow.workers import layout
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 50, (int(torch.randint(2, 30, (), generator=g)),), generator=g).tolist()
+               for _ in range(8)]
+    responses = [torch.randint(3, 50, (int(torch.randint(1, 40, (), generator=g)),), generator=g).tolist()
+                 for _ in range(32)]
+    tensors = layout.sequence_tensors([p for p in prompts for _ in range(4)], responses, pad_id=0)
+    batch = Batch({**tensors, "prompt": torch.arange(8).repeat_interleave(4)}, meta={"n": 4})
+    grid = RankGrid.of([0, 1], (2,), ("dp",))
+    calls, context = scatter("dp", grid, (batch,), {}, balance=True)
+    assert context.order != list(range(32))                                  # it did move rows
+    for call in calls:
+        shard = call.args[0]["prompt"].tolist()
+        assert all(shard.count(p) == 4 for p in set(shard))
+    # a shared prompt counts once in the work the balancing evens out
+    work = [len(p) * (j % 4 == 0) + len(r) for j, (p, r) in
+            enumerate(zip([p for p in prompts for _ in range(4)], responses))]
+    loads = [sum(work[row] for row in context.order[:16]), sum(work[row] for row in context.order[16:])]
+    assert abs(loads[0] - loads[1]) <= max(sum(work[u:u + 4]) for u in range(0, 32, 4))

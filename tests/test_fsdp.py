@@ -277,3 +277,18 @@ def test_on_policy_update_skips_the_old_log_probs_pass(tmp_path):
     for m1, m2 in zip(runs[1]["skip"], runs[2]["skip"]):
         for key in ("actor/loss", "actor/grad_norm"):
             assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), key
+
+
+def test_token_budget_keeps_the_samples_of_a_prompt_in_one_micro_batch():
+    from hflow.workers.layout import packed_tokens, prompt_groups, sequence_tensors
+    prompts = [[5] * 10, [6] * 3, [7] * 20]
+    which = [0, 0, 1, 2, 1, 2, 0, 2]
+    t = sequence_tensors([prompts[w] for w in which], [[9] * r for r in (4, 8, 2, 6, 1, 3, 5, 7)], pad_id=0)
+    groups = prompt_groups(t)
+    # a prompt counts on the first row that has it
+    assert packed_tokens(t, groups).tolist() == [14, 8, 5, 26, 1, 3, 5, 7]
+    parts = split_micro_batches(packed_tokens(t, groups), 2, balance=True, groups=groups)
+    assert sorted(torch.cat(parts).tolist()) == list(range(8))
+    for part in parts:
+        for i in part.tolist():
+            assert all(j in part.tolist() for j in range(8) if which[j] == which[i])

@@ -67,11 +67,53 @@ def test_pack_keeps_each_rows_tokens_in_place():
     mask = t["attention_mask"].bool()
     lengths = mask.sum(1)
     ids = packed.input_ids[0]
-    assert packed.sizes == [b.scatter.numel() for b in packed.buckets]
-    assert sum(packed.sizes) == int(lengths.sum())
+    assert packed.buckets.scatter.numel() == int(lengths.sum()) == ids.numel()   # no prompt is shared here
     for i in range(len(lengths)):   # the row's last token, and its tokens ending there
         last = int(packed.last[i])
         assert ids[last - lengths[i] + 1:last + 1].tolist() == t["input_ids"][i][mask[i]].tolist()
     assert torch.equal(packed.unpack(packed.targets.float()), t["responses"].float() * t["response_mask"])
     order = [int(s) for s in packed.last]   # shortest row first (ties in row order)
     assert sorted(order) == [order[i] for i in torch.argsort(lengths, stable=True).tolist()]
+
+
+def grouped_micro_batch(seed=5):
+    """Three prompts with 4, 1 and 3 samples, rows interleaved, responses of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 97, (p,), generator=g).tolist() for p in (20, 6, 33)]
+    which = [0, 2, 0, 1, 2, 0, 2, 0]
+    responses = [torch.randint(3, 97, (r,), generator=g).tolist() for r in (5, 40, 1, 12, 3, 25, 17, 9)]
+    return layout.sequence_tensors([prompts[w] for w in which], responses, pad_id=0), prompts, responses
+
+
+@pytest.mark.parametrize("overhead", [0.0, packing.BUCKET_OVERHEAD, 1e12])
+def test_shared_prompts_are_packed_once_with_the_same_log_probs_and_gradients(overhead):
+    t, prompts, responses = grouped_micro_batch()
+    groups, which = layout.prompt_groups(t).tolist(), [0, 2, 0, 1, 2, 0, 2, 0]
+    assert all((groups[i] == groups[j]) == (which[i] == which[j]) for i in range(8) for j in range(8))
+    reference = tiny_qwen2()
+    model = copy.deepcopy(reference)
+    model.config._attn_implementation = packing.register_attention()
+    expect = padded_log_probs(reference, t)
+    (expect * torch.linspace(-1, 1, expect.numel()).view_as(expect)).sum().backward()
+    got, packed = packed_log_probs(model, t, overhead)
+    (got * torch.linspace(-1, 1, got.numel()).view_as(got)).sum().backward()
+    # each prompt's tokens once, every response's
+    assert packed.input_ids.shape[1] == sum(map(len, prompts)) + sum(map(len, responses))
+    assert torch.allclose(got, expect, atol=1e-5)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+    unshared = packing.pack(t, overhead=overhead, share_prompts=False)
+    assert unshared.input_ids.shape[1] == int(t["attention_mask"].sum())
+
+
+def test_shared_prompt_rows_read_their_last_token_and_positions():
+    t, prompts, responses = grouped_micro_batch()
+    packed = packing.pack(t)
+    ids, pos = packed.input_ids[0], packed.position_ids[0]
+    which = [0, 2, 0, 1, 2, 0, 2, 0]
+    for i, (w, r) in enumerate(zip(which, responses)):
+        last = int(packed.last[i])
+        assert int(ids[last]) == r[-1] and int(pos[last]) == len(prompts[w]) + len(r) - 1
+    # the first response token of every row is predicted from its prompt's last token
+    first = packed.cols == 0
+    assert [int(ids[k]) for k in packed.predict_at[first]] == [prompts[w][-1] for w in which]

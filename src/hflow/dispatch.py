@@ -26,11 +26,14 @@ A worker method declares its mode with a decorator:
 
 `@dispatch("dp", balance=True)` also evens out the work: FSDP syncs every layer, so the rank
 with the most tokens sets the pace of a forward or an update. Before cutting, rows are swapped
-between shards, by tokens (the Batch's attention_mask), and only among rows at the same position
+between shards, by tokens (the Batch's attention_mask; a prompt shared with the row before
+counts once, as workers.packing computes it once), and only among rows at the same position
 of their shards: a row keeps its position i in its shard, so it stays in mini-batch i % M for
 every M (the strided mini-batches of `layout.minibatch_rows` are the same sets with or without
-balancing, on any number of ranks). Batch results come back in the caller's order. Only for
-methods whose rows are independent (not pairs or groups that must stay on one rank).
+balancing, on any number of ranks). The n rows of a prompt (meta "n") move together when n
+divides the shard, so that their prompt is packed once. Batch results come back in the
+caller's order. Only for methods whose rows are independent (not pairs or groups that must
+stay on one rank).
 """
 from __future__ import annotations
 
@@ -69,25 +72,29 @@ def balances(fn) -> bool:
     return getattr(fn, _ATTR, (None, False))[1]
 
 
-def balanced_order(lengths: list[int], shards: int) -> list[int]:
+def balanced_order(lengths: list[int], shards: int, unit: int = 1) -> list[int]:
     """A row order for cutting `len(lengths)` rows into `shards` equal contiguous shards whose
     total lengths are close: order[j] is the row placed at j. Rows only trade places with the
-    rows at the same position of the other shards (order[j] % m == j % m, m rows a shard).
+    rows at the same position of the other shards (order[j] % m == j % m, m rows a shard), in
+    runs of `unit` consecutive rows (the n samples of a prompt stay together) when unit divides m.
 
-    Greedy, position by position: the longest of the position's rows goes to the shard that is
-    lightest so far, and so on; the spread between shards never exceeds the longest row."""
+    Greedy, position by position: the longest of the position's runs goes to the shard that is
+    lightest so far, and so on; the spread between shards never exceeds the longest run."""
     if len(lengths) % shards:
         raise ValueError(f"{len(lengths)} rows do not cut into {shards} equal shards")
     m = len(lengths) // shards
+    unit = unit if unit > 1 and m % unit == 0 else 1
+    runs = [sum(lengths[u:u + unit]) for u in range(0, len(lengths), unit)]
+    per_shard = m // unit
     load = [0] * shards
-    order = list(range(len(lengths)))
-    for i in range(m):
-        rows = sorted((r * m + i for r in range(shards)), key=lambda row: -lengths[row])
+    order = list(range(len(runs)))
+    for i in range(per_shard):
+        candidates = sorted((r * per_shard + i for r in range(shards)), key=lambda run: -runs[run])
         lightest = sorted(range(shards), key=lambda r: load[r])
-        for row, shard in zip(rows, lightest):
-            order[shard * m + i] = row
-            load[shard] += lengths[row]
-    return order
+        for run, shard in zip(candidates, lightest):
+            order[shard * per_shard + i] = run
+            load[shard] += runs[run]
+    return [run * unit + k for run in order for k in range(unit)]
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,13 @@ class RankCall:
     returns: bool          # False: run it, but send back nothing (a tp peer's duplicate)
 
 
+def _work(batch: Batch) -> list[int]:
+    """Tokens a training pass computes for each row (a shared prompt once: workers.packing)."""
+    from hflow.workers.layout import packed_tokens   # (hflow.workers imports this module)
+    return packed_tokens({k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")
+                          if k in batch}).tolist()
+
+
 @dataclass(frozen=True)
 class _DpContext:
     rows: int | None               # the caller's Batch length (None: no Batch argument)
@@ -188,7 +202,7 @@ def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict,
     sized = [b for b in padded.values() if "attention_mask" in b]
     order = None
     if balance and n_shards > 1 and sized:
-        order = balanced_order(sized[0]["attention_mask"].sum(-1).tolist(), n_shards)
+        order = balanced_order(_work(sized[0]), n_shards, unit=int(sized[0].meta.get("n", 1)))
 
     def shards(key) -> list[Batch]:
         return (padded[key] if order is None else padded[key][order]).split(n_shards)

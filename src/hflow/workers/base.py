@@ -133,15 +133,18 @@ class ModelWorker:
     # ---- micro-batches -------------------------------------------------------------------
 
     def micro_batches(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Row indices of this rank's micro-batches; the count is the same on every rank."""
-        tokens = tensors["attention_mask"].sum(-1)
+        """Row indices of this rank's micro-batches; the count is the same on every rank. Under a
+        token budget, the rows sharing a prompt go together and the prompt counts once, as the
+        packed passes compute it (workers/packing.py)."""
+        groups = layout.prompt_groups(tensors)
+        tokens = layout.packed_tokens(tensors, groups)
         max_tokens = self.cfg.max_tokens_per_micro_batch
         count = layout.micro_batch_count(tokens, self.cfg.micro_batch_size, max_tokens)
         if self.mesh.size() > 1:
             count_t = torch.tensor([count], device=self.device)
             dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
             count = int(count_t)
-        return layout.split_micro_batches(tokens, count, balance=max_tokens > 0)
+        return layout.split_micro_batches(tokens, count, balance=max_tokens > 0, groups=groups)
 
     def to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}

@@ -155,6 +155,33 @@ def minibatch_rows(num_rows: int, num_minibatches: int) -> list[torch.Tensor]:
     return [torch.arange(k, num_rows, num_minibatches) for k in range(num_minibatches)]
 
 
+def prompt_groups(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B] a group id per row: rows with the same real prompt tokens share one (without a
+    response_mask there is no prompt to tell apart: every row is a group of its own)."""
+    mask = tensors["attention_mask"].bool()
+    if "response_mask" not in tensors or "input_ids" not in tensors:
+        return torch.arange(len(mask))
+    R = tensors["response_mask"].shape[1]
+    P = mask.shape[1] - R
+    prompts = torch.where(mask[:, :P], tensors["input_ids"][:, :P], -1)  # left padding -> -1
+    return torch.unique(prompts, dim=0, return_inverse=True)[1]
+
+
+def packed_tokens(tensors: dict[str, torch.Tensor], groups: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] the tokens a packed training pass computes for each row (workers/packing.py): its
+    real tokens, less its prompt unless it is the first row with that prompt (a shared
+    prompt is computed once)."""
+    mask = tensors["attention_mask"]
+    tokens = mask.sum(-1)
+    if len(tokens) < 2 or "response_mask" not in tensors or "input_ids" not in tensors:
+        return tokens
+    groups = prompt_groups(tensors) if groups is None else groups
+    first = torch.full_like(groups, len(groups)).scatter_reduce(0, groups, torch.arange(len(groups)), "amin")
+    R = tensors["response_mask"].shape[1]
+    repeated = first[groups] != torch.arange(len(groups))
+    return tokens - repeated * mask[:, :mask.shape[1] - R].sum(-1)
+
+
 def micro_batch_count(tokens: torch.Tensor, max_size: int, max_tokens: int) -> int:
     """How many micro-batches this rank needs: rows by count, or by a token budget."""
     if max_tokens > 0:
@@ -165,19 +192,24 @@ def micro_batch_count(tokens: torch.Tensor, max_size: int, max_tokens: int) -> i
     return max(1, math.ceil(len(tokens) / max_size))
 
 
-def split_micro_batches(tokens: torch.Tensor, count: int, balance: bool) -> list[torch.Tensor]:
+def split_micro_batches(tokens: torch.Tensor, count: int, balance: bool,
+                        groups: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Split the rows of one rank into `count` micro-batches (every rank must use the same count:
     FSDP runs collectives in each forward). By count: consecutive chunks. By tokens (`balance`):
-    longest first into the lightest micro-batch, each kept in row order."""
+    the heaviest first into the lightest micro-batch, each kept in row order; with `groups`
+    (prompt_groups), the rows of a group go together, so that their prompt is packed once."""
     n = len(tokens)
     if not balance:
         return [idx for idx in torch.arange(n).tensor_split(count)]
+    units: dict[int, list[int]] = {}
+    for i, g in enumerate(range(n) if groups is None else groups.tolist()):
+        units.setdefault(g, []).append(i)
     bins: list[list[int]] = [[] for _ in range(count)]
     load = [0] * count
-    for i in sorted(range(n), key=lambda i: -int(tokens[i])):
+    for rows in sorted(units.values(), key=lambda rows: -int(tokens[rows].sum())):
         k = min(range(count), key=load.__getitem__)
-        bins[k].append(i)
-        load[k] += int(tokens[i])
+        bins[k].extend(rows)
+        load[k] += int(tokens[rows].sum())
     return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
 
 
