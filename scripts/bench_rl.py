@@ -31,8 +31,9 @@ Runs alternate (TRL, hflow ..., TRL, hflow ...) for --rounds rounds, each a subp
 the remaining steps. tokens/s = generated response tokens (EOS included) / wall time.
 Compute floor = matmul FLOPs / this script's measured fp32 matmul peak (torch.mm, 2 threads,
 the model's shapes, best of a few): generation 2 (N_body + N_head) per generated token +
-2 N_body per prompt token (each prompt once); a forward 2 N_body (prompt + response tokens)
-+ 2 N_head per response token; forward + backward 3x that. Attention score/value products are
+2 N_body per prompt token; a forward 2 N_body (prompt + response tokens) + 2 N_head per
+response token; forward + backward 3x that. Everywhere each prompt counts once: its n samples
+can share its tokens (the engine's prefix cache; hflow's packed training passes). Attention score/value products are
 not counted (a few % here). Generation's floor is the larger of that and its weight reads: every
 fp32 weight once per decode step, as many steps as the longest response, at this script's
 measured memory read bandwidth (a sum over 256 MiB). Floors count only the work an on-policy step needs: no old
@@ -377,8 +378,9 @@ def floors(spec: dict, algo: str, row: dict, step: int) -> dict:
     prompt = sum(spec["prompt_lens"][(step - 1) * batch:step * batch])
     resp = row["response_length/mean"] * batch * n
     body, head = spec["n_body"], spec["n_head"]
-    fwd = 2 * body * (prompt * n + resp) + 2 * head * resp      # the actor's (or reference's) forward
-    value = 2 * body * (prompt * n + resp) if algo == "ppo" else 0   # the critic's (value head not counted)
+    # each prompt once: its n samples share its tokens (hflow packs them once, workers/packing.py)
+    fwd = 2 * body * (prompt + resp) + 2 * head * resp           # the actor's (or reference's) forward
+    value = 2 * body * (prompt + resp) if algo == "ppo" else 0   # the critic's (value head not counted)
     # PPO with a reference puts the KL in the reward: the reference's and the actor's log-probs
     # before the update; GRPO with beta 0 needs no forward before its update
     logp = value + (2 * fwd if algo == "ppo" and spec["ppo_ref"] else 0)
