@@ -58,7 +58,8 @@ class Actor(ModelWorker):
         tokens; only the positions that predict a response token go through the LM head."""
         packed = packing.pack(mb)
         out = self.model(**packed.model_inputs(), logits_to_keep=packed.predict_at)
-        logp, entropy = layout.token_log_probs(out.logits[0], packed.targets, temperature, with_entropy)
+        # squeeze, not [0]: its backward is a view, where select's zero-fills and copies a [K, V] gradient
+        logp, entropy = layout.token_log_probs(out.logits.squeeze(0), packed.targets, temperature, with_entropy)
         return packed.unpack(logp), None if entropy is None else packed.unpack(entropy)
 
     @dispatch("dp", balance=True)

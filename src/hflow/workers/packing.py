@@ -18,7 +18,7 @@ prompts x 4, prompts 8-64 tokens) it cuts the update's tokens by 30 % and its ti
 
     packed = pack(mb)
     out = model(**packed.model_inputs(), logits_to_keep=packed.predict_at)   # logits [1, K, V]
-    logp = token_log_probs(out.logits[0], packed.targets)                    # [K]
+    logp = token_log_probs(out.logits.squeeze(0), packed.targets)            # [K]
     packed.unpack(logp)                                                      # [b, R], 0 elsewhere
 
 Token j of row i (j = 0: its first prompt token) sits at packed index `start_i + j` when the
