@@ -207,7 +207,8 @@ def prepare(name: str, args, root: Path) -> dict:
     h, kv = c.hidden_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
     layer = 2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size   # q, o; k, v; gate, up, down
     spec.update(model_dir=str(model_dir), shapes=shapes, prompt_lens=prompt_lens, hidden=h, vocab=c.vocab_size,
-                inter=c.intermediate_size, n_body=c.num_hidden_layers * layer, n_head=c.vocab_size * h)
+                inter=c.intermediate_size, n_body=c.num_hidden_layers * layer, n_head=c.vocab_size * h,
+                kv=kv, layers=c.num_hidden_layers)
     return spec
 
 
@@ -353,6 +354,35 @@ def matmul_peak(spec: dict, threads: int) -> float:
     return best
 
 
+def decode_matmul_rates(spec: dict, threads: int, rows=(4, 8, 16, 32, 64)) -> dict[int, float]:
+    """GFLOP/s of a decode step's matmuls alone: every layer's q/k/v, o, gate/up and down and the
+    LM head on `rows` rows (the step's batch) as the engine runs them (hflow.engine's `linear`,
+    on oneDNN-packed weights up to PACK_MAX_ROWS rows), fresh weights of the model's shapes
+    (101 MB for the 25M model: they stream from memory, as in decoding), best of 3 passes,
+    `threads` threads. Small batches cannot reach the peak: each weight is read for few rows."""
+    import torch
+
+    from hflow.engine.model_runner import PACK_MAX_ROWS
+    from hflow.engine.models.layers import can_pack, linear, pack
+
+    torch.set_num_threads(threads)
+    h, i, kv = spec["hidden"], spec["inter"], spec["kv"]
+    shapes = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)] * spec["layers"] + [(spec["vocab"], h)]
+    weights = [torch.randn(n, k) for n, k in shapes]
+    packed = [pack(w) if can_pack(w) else None for w in weights]
+    rates = {}
+    for m in rows:
+        xs = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
+        flop, best = 2 * m * sum(n * k for n, k in shapes), float("inf")
+        for _ in range(4):   # the first pass warms up
+            start = time.perf_counter()
+            for w, p in zip(weights, packed):
+                linear(xs[w.shape[1]], w, packed=p if m <= PACK_MAX_ROWS else None)
+            best = min(best, time.perf_counter() - start)
+        rates[m] = flop / best / 1e9
+    return rates
+
+
 def memory_bandwidth(threads: int) -> float:
     """Best GB/s of reading a 256 MiB fp32 tensor (a sum), `threads` threads."""
     import torch
@@ -420,7 +450,13 @@ def report(spec: dict, algo: str, label: str, rows: list[dict], peak: float, ban
     print(f"    {'other (score)':<14}{statistics.median(other):9.2f}")
     for key in sorted({k for r in rows for k in r if k.startswith("comm/")}):
         print(f"    {key}: median {statistics.median(r[key] for r in rows if key in r):,.6g}")
-    return statistics.median(t / r["time/step_s"] for t, r in zip(tokens, rows))
+    return step_rate(spec, algo, rows)
+
+
+def step_rate(spec: dict, algo: str, rows: list[dict]) -> float:
+    """Median whole-step tokens/s (response tokens over step wall time) of some steps."""
+    batch, n, _ = spec["shapes"][algo]
+    return statistics.median(r["response_length/mean"] * batch * n / r["time/step_s"] for r in rows)
 
 
 def main():
@@ -462,16 +498,23 @@ def main():
             runs = ([("grpo", "trl", 1)] if args.trl else []) + [(a, "hflow", r) for a in ("grpo", "ppo")
                                                                   for r in ranks if a == "grpo" or args.ppo]
             results: dict = {}
+            by_round: dict = {}   # (algo, who, r) -> [median step tokens/s of each round]
             for rnd in range(args.rounds):
                 for algo, who, r in runs:
                     tag = f"{who}-{algo}-{r}r-round{rnd}"
                     rows = run_trl(spec, args.cores, tag) if who == "trl" else \
                         run_hflow(spec, algo, r, args.cores // r, tag)
                     results.setdefault((algo, who, r), []).extend(rows[args.warmup:])
+                    by_round.setdefault((algo, who, r), []).append(step_rate(spec, algo, rows[args.warmup:]))
             peak = max(peak, matmul_peak(spec, args.cores))
             bandwidth = memory_bandwidth(args.cores)
             print(f"  matmul peak, best of before and after the runs: {peak:.0f} GFLOP/s; memory read "
                   f"bandwidth {bandwidth:.1f} GB/s ({args.cores} threads)")
+            for threads in sorted({args.cores // r for r in ranks}):
+                rates = decode_matmul_rates(spec, threads)
+                print(f"  a decode step's matmuls alone, {threads} thread(s), GFLOP/s by rows in the step (% of the "
+                      f"peak's {threads}/{args.cores} share): " + ", ".join(
+                          f"{m}: {g:.0f} ({100 * g / (peak * threads / args.cores):.0f} %)" for m, g in rates.items()))
             if args.trl:
                 trl_prompts = [r["prompt_tokens"] for r in results[("grpo", "trl", 1)]]
                 ours = [floors(spec, "grpo", r, r["step"])["prompt_tokens"] for r in results[("grpo", "trl", 1)]]
@@ -483,6 +526,11 @@ def main():
                     f"hflow {algo.upper()}, {r} rank{'s' if r > 1 else ''} x {args.cores // r} thread(s)"
                 rates[(algo, who, r)] = report(spec, algo, label, rows, peak, bandwidth)
             table += summary_rows(name, rates)
+            if args.trl and args.rounds > 1:   # each round's own ratio: how much one round moves
+                trl = by_round[("grpo", "trl", 1)]
+                for r in ranks:
+                    ratios = [ours / theirs for ours, theirs in zip(by_round[("grpo", "hflow", r)], trl)]
+                    print(f"  GRPO {r} rank(s) / TRL, round by round: " + ", ".join(f"{x:.2f}x" for x in ratios))
         print("\n| workload | TRL tok/s | hflow 2 ranks tok/s | ratio | hflow 1 rank tok/s | ratio |\n|---|---|---|---|---|---|")
         print("\n".join(table))
     finally:

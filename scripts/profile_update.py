@@ -29,7 +29,7 @@ from bench_rl import SIZES, make_model   # noqa: E402  (a sibling script)
 
 from hflow import algos   # noqa: E402
 from hflow.workers import Actor, ActorConfig, OptimConfig   # noqa: E402
-from hflow.workers.layout import sequence_tensors   # noqa: E402
+from hflow.workers.layout import packed_tokens, sequence_tensors   # noqa: E402
 
 KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm"), "attention (SDPA)": ("scaled_dot_product",),
          "gather / scatter": ("aten::index_select", "aten::index_add_", "aten::index", "aten::gather"),
@@ -87,7 +87,8 @@ def main():
     layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
     head_params = model.lm_head.weight.numel()
     t = batch(args.sequences)
-    tokens, predicted = int(t["attention_mask"].sum()), int(t["response_mask"].sum())
+    # each prompt's tokens once: its 4 samples share them in the packed passes
+    tokens, predicted = int(packed_tokens(t).sum()), int(t["response_mask"].sum())
     floor_flop = 3 * 2 * (tokens * layer_params + predicted * head_params)
     phases: dict[str, float] = {}
 
@@ -103,7 +104,8 @@ def main():
     warnings.filterwarnings("ignore", message="Seems like `optimizer.step")   # our timing wrapper
     backward = torch.Tensor.backward
     torch.Tensor.backward = timed("backward", backward)
-    print(f"{args.sequences} sequences, {tokens} tokens ({predicted} predicted); 25M Qwen2, 1 thread")
+    print(f"{args.sequences} sequences, {int(t['attention_mask'].sum())} tokens, {tokens} once each prompt "
+          f"is shared ({predicted} predicted); 25M Qwen2, 1 thread")
     for i in range(args.updates):
         phases.clear()
         start = time.process_time()
