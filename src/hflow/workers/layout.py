@@ -160,7 +160,7 @@ def prompt_groups(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     response_mask there is no prompt to tell apart: every row is a group of its own)."""
     mask = tensors["attention_mask"].bool()
     if "response_mask" not in tensors or "input_ids" not in tensors:
-        return torch.arange(len(mask))
+        return torch.arange(len(mask), device=mask.device)
     R = tensors["response_mask"].shape[1]
     P = mask.shape[1] - R
     prompts = torch.where(mask[:, :P], tensors["input_ids"][:, :P], -1)  # left padding -> -1
@@ -176,9 +176,10 @@ def packed_tokens(tensors: dict[str, torch.Tensor], groups: torch.Tensor | None 
     if len(tokens) < 2 or "response_mask" not in tensors or "input_ids" not in tensors:
         return tokens
     groups = prompt_groups(tensors) if groups is None else groups
-    first = torch.full_like(groups, len(groups)).scatter_reduce(0, groups, torch.arange(len(groups)), "amin")
+    rows = torch.arange(len(groups), device=groups.device)
+    first = torch.full_like(groups, len(groups)).scatter_reduce(0, groups, rows, "amin")
     R = tensors["response_mask"].shape[1]
-    repeated = first[groups] != torch.arange(len(groups))
+    repeated = first[groups] != rows
     return tokens - repeated * mask[:, :mask.shape[1] - R].sum(-1)
 
 

@@ -143,14 +143,15 @@ def pack(tensors: dict[str, torch.Tensor], overhead: float = BUCKET_OVERHEAD, sh
     if bool((prompt_lengths == 0).any()):
         raise ValueError("a sequence has no prompt token: its first response token is predicted from nothing")
     order = torch.argsort(lengths, stable=True)
-    rank = torch.empty_like(order).index_copy_(0, order, torch.arange(b))       # row -> place in packed order
+    all_rows = torch.arange(b, device=mask.device)
+    rank = torch.empty_like(order).index_copy_(0, order, all_rows)                # row -> place in packed order
     if share_prompts and b > 1:
         groups = layout.prompt_groups(tensors)
-        first = torch.full((b,), b).scatter_reduce(0, groups, rank, "amin")    # group -> its leader's place
+        first = torch.full_like(rank, b).scatter_reduce(0, groups, rank, "amin")  # group -> its leader's place
         leader = order[first[groups]]
     else:
-        leader = torch.arange(b)
-    shared = torch.where(leader != torch.arange(b), prompt_lengths, 0)        # tokens read from the leader
+        leader = all_rows
+    shared = torch.where(leader != all_rows, prompt_lengths, 0)                  # tokens read from the leader
     owned = lengths - shared
     sorted_owned = owned[order]
     starts = torch.empty_like(order).index_copy_(0, order, sorted_owned.cumsum(0) - sorted_owned)
@@ -171,7 +172,7 @@ def pack(tensors: dict[str, torch.Tensor], overhead: float = BUCKET_OVERHEAD, sh
     buckets = _buckets(order, lengths, shared, index_of, overhead)
     return Packed(input_ids=input_ids[None], position_ids=positions[None], buckets=buckets,
                   predict_at=index_of(rows, target_positions - 1), targets=input_ids[target_at], rows=rows,
-                  cols=cols, last=index_of(torch.arange(b), lengths - 1), shape=(b, R))
+                  cols=cols, last=index_of(all_rows, lengths - 1), shape=(b, R))
 
 
 def _buckets(order: torch.Tensor, lengths: torch.Tensor, shared: torch.Tensor, index_of,
@@ -186,12 +187,12 @@ def _buckets(order: torch.Tensor, lengths: torch.Tensor, shared: torch.Tensor, i
     for first, end in spans:
         rows = order[first:end]
         L = int(sorted_lengths[end - 1])
-        j = torch.arange(L)[None, :]
+        j = torch.arange(L, device=lengths.device)[None, :]
         real = j < lengths[rows][:, None]                                           # [rows, L]
         gathers.append(torch.where(real, index_of(rows[:, None], j), 0).flatten())
         own = real & (j >= shared[rows][:, None])
-        scatters.append(offset + (torch.arange(end - first)[:, None] * L + j)[own])
+        scatters.append(offset + (torch.arange(end - first, device=lengths.device)[:, None] * L + j)[own])
         shapes.append((end - first, L))
         offset += (end - first) * L
-    empty = torch.zeros(0, dtype=torch.long)
+    empty = torch.zeros(0, dtype=torch.long, device=lengths.device)
     return Buckets(shapes, torch.cat(gathers) if gathers else empty, torch.cat(scatters) if scatters else empty)
