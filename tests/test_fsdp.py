@@ -292,3 +292,21 @@ def test_token_budget_keeps_the_samples_of_a_prompt_in_one_micro_batch():
     for part in parts:
         for i in part.tolist():
             assert all(j in part.tolist() for j in range(8) if which[j] == which[i])
+
+
+def test_a_prompt_with_more_samples_than_the_budget_holds_is_cut_into_runs_that_fit():
+    from hflow.workers.layout import budget_groups, micro_batch_count, packed_tokens, sequence_tensors
+    t = sequence_tensors([[5] * 10] * 6 + [[6] * 4], [[9] * 20] * 6 + [[9] * 3], pad_id=0)
+    groups = budget_groups(t, 60)
+    assert groups[:6].tolist() == [groups[0]] * 2 + [groups[2]] * 2 + [groups[4]] * 2   # runs of 2 rows
+    assert len(set(groups.tolist())) == 4
+    tokens = packed_tokens(t, groups)
+    assert tokens.tolist() == [30, 20, 30, 20, 30, 20, 7]   # each run's first row carries the prompt
+    count = micro_batch_count(tokens, 0, 60, row_tokens=t["attention_mask"].sum(-1))
+    parts = split_micro_batches(tokens, count, balance=True, groups=groups)
+    assert max(int(tokens[p].sum()) for p in parts) <= 60
+    for budget in (0, 10**6):   # no budget, or a large one: whole groups
+        whole = budget_groups(t, budget).tolist()
+        assert len(set(whole[:6])) == 1 and whole[6] != whole[0]
+    with pytest.raises(ValueError, match="exceeds the micro-batch token budget"):
+        micro_batch_count(tokens, 0, 25, row_tokens=t["attention_mask"].sum(-1))   # a 30-token row

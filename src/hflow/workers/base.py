@@ -136,10 +136,11 @@ class ModelWorker:
         """Row indices of this rank's micro-batches; the count is the same on every rank. Under a
         token budget, the rows sharing a prompt go together and the prompt counts once, as the
         packed passes compute it (workers/packing.py)."""
-        groups = layout.prompt_groups(tensors)
-        tokens = layout.packed_tokens(tensors, groups)
         max_tokens = self.cfg.max_tokens_per_micro_batch
-        count = layout.micro_batch_count(tokens, self.cfg.micro_batch_size, max_tokens)
+        groups = layout.budget_groups(tensors, max_tokens)
+        tokens = layout.packed_tokens(tensors, groups)
+        count = layout.micro_batch_count(tokens, self.cfg.micro_batch_size, max_tokens,
+                                         row_tokens=tensors["attention_mask"].sum(-1))
         if self.mesh.size() > 1:
             count_t = torch.tensor([count], device=self.device)
             dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=self.mesh.get_group())

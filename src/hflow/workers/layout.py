@@ -183,11 +183,37 @@ def packed_tokens(tensors: dict[str, torch.Tensor], groups: torch.Tensor | None 
     return tokens - repeated * mask[:, :mask.shape[1] - R].sum(-1)
 
 
-def micro_batch_count(tokens: torch.Tensor, max_size: int, max_tokens: int) -> int:
-    """How many micro-batches this rank needs: rows by count, or by a token budget."""
+def budget_groups(tensors: dict[str, torch.Tensor], max_tokens: int) -> torch.Tensor:
+    """prompt_groups, with a group whose packed tokens exceed `max_tokens` (> 0) cut into runs of
+    its rows that fit, each run carrying the prompt again: a micro-batch that keeps a group
+    together then stays within the budget however many samples share a prompt."""
+    groups = prompt_groups(tensors)
+    if max_tokens <= 0 or "response_mask" not in tensors:
+        return groups
+    mask = tensors["attention_mask"]
+    full = mask.sum(-1).tolist()
+    prompt = mask[:, :mask.shape[1] - tensors["response_mask"].shape[1]].sum(-1).tolist()
+    runs: dict[int, tuple[int, int]] = {}   # group -> (its current run's id, that run's tokens)
+    cut = []
+    for i, g in enumerate(groups.tolist()):
+        run, load = runs.get(g, (-1, 0))
+        cost = full[i] - prompt[i] if run >= 0 else full[i]   # the run's first row carries the prompt
+        if run < 0 or load + cost > max_tokens:
+            run, load, cost = len(runs) + len(cut), 0, full[i]
+        runs[g] = (run, load + cost)
+        cut.append(run)
+    return torch.unique(torch.tensor(cut), return_inverse=True)[1].to(groups.device)
+
+
+def micro_batch_count(tokens: torch.Tensor, max_size: int, max_tokens: int,
+                      row_tokens: torch.Tensor | None = None) -> int:
+    """How many micro-batches this rank needs: rows by count, or by a token budget (`tokens`:
+    what each row adds to a micro-batch, packed_tokens; `row_tokens`: each row's own length,
+    which must fit the budget, default `tokens`)."""
     if max_tokens > 0:
-        if _max(tokens) > max_tokens:
-            raise ValueError(f"a sequence of {int(tokens.max())} tokens exceeds the micro-batch "
+        longest = tokens if row_tokens is None else row_tokens
+        if _max(longest) > max_tokens:
+            raise ValueError(f"a sequence of {int(longest.max())} tokens exceeds the micro-batch "
                              f"token budget {max_tokens}: raise --*.max-tokens-per-micro-batch")
         return max(1, math.ceil(int(tokens.sum()) / max_tokens))
     return max(1, math.ceil(len(tokens) / max_size))
