@@ -42,9 +42,9 @@ def packed_log_probs(model, t, overhead):
     return packed.unpack(torch.log_softmax(logits, -1).gather(-1, packed.targets[:, None])[:, 0]), packed
 
 
-@pytest.mark.parametrize("overhead", [0.0, packing.BUCKET_OVERHEAD, 1e12])   # a bucket per length ... one bucket
-def test_packed_log_probs_and_gradients_equal_the_padded_forward(overhead):
-    t = micro_batch()
+def assert_packed_matches_padded(t, overhead):
+    """Packed log-probs and every parameter's gradient (of a weighted sum of the log-probs) equal
+    the padded oracle's; returns the Packed."""
     reference = tiny_qwen2()
     model = copy.deepcopy(reference)
     model.config._attn_implementation = packing.register_attention()
@@ -52,13 +52,19 @@ def test_packed_log_probs_and_gradients_equal_the_padded_forward(overhead):
     (expect * torch.linspace(-1, 1, expect.numel()).view_as(expect)).sum().backward()
     got, packed = packed_log_probs(model, t, overhead)
     (got * torch.linspace(-1, 1, got.numel()).view_as(got)).sum().backward()
+    assert torch.allclose(got, expect, atol=1e-5)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+    return packed
+
+
+@pytest.mark.parametrize("overhead", [0.0, packing.BUCKET_OVERHEAD, 1e12])   # a bucket per length ... one bucket
+def test_packed_log_probs_and_gradients_equal_the_padded_forward(overhead):
+    packed = assert_packed_matches_padded(micro_batch(), overhead)
     if overhead == 0:
         assert len(packed.buckets) == 3   # lengths 2, 2, 15, 16 | 25, 32 | 70, 70: one per 16-token granule
     if overhead == 1e12:
         assert len(packed.buckets) == 1
-    assert torch.allclose(got, expect, atol=1e-5)
-    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
 
 
 def test_pack_keeps_each_rows_tokens_in_place():
@@ -90,18 +96,9 @@ def test_shared_prompts_are_packed_once_with_the_same_log_probs_and_gradients(ov
     t, prompts, responses = grouped_micro_batch()
     groups, which = layout.prompt_groups(t).tolist(), [0, 2, 0, 1, 2, 0, 2, 0]
     assert all((groups[i] == groups[j]) == (which[i] == which[j]) for i in range(8) for j in range(8))
-    reference = tiny_qwen2()
-    model = copy.deepcopy(reference)
-    model.config._attn_implementation = packing.register_attention()
-    expect = padded_log_probs(reference, t)
-    (expect * torch.linspace(-1, 1, expect.numel()).view_as(expect)).sum().backward()
-    got, packed = packed_log_probs(model, t, overhead)
-    (got * torch.linspace(-1, 1, got.numel()).view_as(got)).sum().backward()
+    packed = assert_packed_matches_padded(t, overhead)
     # each prompt's tokens once, every response's
     assert packed.input_ids.shape[1] == sum(map(len, prompts)) + sum(map(len, responses))
-    assert torch.allclose(got, expect, atol=1e-5)
-    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
     unshared = packing.pack(t, overhead=overhead, share_prompts=False)
     assert unshared.input_ids.shape[1] == int(t["attention_mask"].sum())
 
