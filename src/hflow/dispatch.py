@@ -26,7 +26,7 @@ A worker method declares its mode with a decorator:
 
 `@dispatch("dp", balance=True)` also evens out the work: FSDP syncs every layer, so the rank
 with the most tokens sets the pace of a forward or an update. Before cutting, rows are swapped
-between shards, by tokens (the Batch's attention_mask; a prompt shared with the row before
+between shards, by tokens (the Batch's attention_mask; a prompt shared by several rows
 counts once, as workers.packing computes it once), and only among rows at the same position
 of their shards: a row keeps its position i in its shard, so it stays in mini-batch i % M for
 every M (the strided mini-batches of `layout.minibatch_rows` are the same sets with or without

@@ -194,15 +194,15 @@ def budget_groups(tensors: dict[str, torch.Tensor], max_tokens: int) -> torch.Te
     full = mask.sum(-1).tolist()
     prompt = mask[:, :mask.shape[1] - tensors["response_mask"].shape[1]].sum(-1).tolist()
     runs: dict[int, tuple[int, int]] = {}   # group -> (its current run's id, that run's tokens)
-    cut = []
+    cut, next_run = [], 0
     for i, g in enumerate(groups.tolist()):
         run, load = runs.get(g, (-1, 0))
         cost = full[i] - prompt[i] if run >= 0 else full[i]   # the run's first row carries the prompt
         if run < 0 or load + cost > max_tokens:
-            run, load, cost = len(runs) + len(cut), 0, full[i]
+            run, load, cost, next_run = next_run, 0, full[i], next_run + 1
         runs[g] = (run, load + cost)
         cut.append(run)
-    return torch.unique(torch.tensor(cut), return_inverse=True)[1].to(groups.device)
+    return torch.tensor(cut, device=groups.device)
 
 
 def micro_batch_count(tokens: torch.Tensor, max_size: int, max_tokens: int,
@@ -231,12 +231,14 @@ def split_micro_batches(tokens: torch.Tensor, count: int, balance: bool,
     units: dict[int, list[int]] = {}
     for i, g in enumerate(range(n) if groups is None else groups.tolist()):
         units.setdefault(g, []).append(i)
+    per_row = tokens.tolist()
+    weighed = sorted(((sum(per_row[i] for i in rows), rows) for rows in units.values()), key=lambda u: -u[0])
     bins: list[list[int]] = [[] for _ in range(count)]
     load = [0] * count
-    for rows in sorted(units.values(), key=lambda rows: -int(tokens[rows].sum())):
+    for weight, rows in weighed:
         k = min(range(count), key=load.__getitem__)
         bins[k].extend(rows)
-        load[k] += int(tokens[rows].sum())
+        load[k] += weight
     return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
 
 

@@ -180,13 +180,13 @@ def _buckets(order: torch.Tensor, lengths: torch.Tensor, shared: torch.Tensor, i
     """Cut rows (in packed `order`, shortest first) into buckets minimising sum(rows x L^2) +
     overhead x buckets. A bucket gathers each row's whole sequence (a shared prompt from its
     leader) and gives back the outputs of the tokens the row owns (all but a shared prompt)."""
-    sorted_lengths = lengths[order]
-    granules = [-(-int(n) // PLAN_GRANULE) for n in sorted_lengths.tolist()]
+    sorted_lengths = lengths[order].tolist()   # on the host: no device sync per bucket
+    granules = [-(-n // PLAN_GRANULE) for n in sorted_lengths]
     spans = plan_buckets([g * g for g in granules], PLAN_GRANULE ** 2, overhead) if granules else []
     shapes, gathers, scatters, offset = [], [], [], 0
     for first, end in spans:
         rows = order[first:end]
-        L = int(sorted_lengths[end - 1])
+        L = sorted_lengths[end - 1]
         j = torch.arange(L, device=lengths.device)[None, :]
         real = j < lengths[rows][:, None]                                           # [rows, L]
         gathers.append(torch.where(real, index_of(rows[:, None], j), 0).flatten())
