@@ -96,6 +96,17 @@ def test_fsdp2_save_perturb_load_on_2_ranks(tmp_path):
     assert run.output.count(" ok") == 2, run.output
 
 
+ACROSS_LAYOUTS = os.path.join(PROGRAMS, "checkpoint_across_layouts.py")
+
+
+@pytest.mark.dist
+def test_checkpoint_loads_across_sharding_layouts(tmp_path):
+    """The CPU default replicates small models (HSDP, shard groups of 1) and GPUs shard them:
+    a checkpoint of either layout loads, bit for bit, into the other."""
+    run = torchrun(ACROSS_LAYOUTS, 2, args=[tmp_path / "ckpt"], tmp_path=tmp_path).check()
+    assert run.output.count(" ok") == 4, run.output
+
+
 CRASH_THEN_RESUME = os.path.join(PROGRAMS, "checkpoint_crash_then_resume.py")
 
 

@@ -1,5 +1,6 @@
 """FSDP2 set-up: loading, log-probs against transformers, and 1 rank == 2 ranks in training."""
 import glob
+import itertools
 import math
 import os
 
@@ -152,16 +153,18 @@ def test_one_rank_and_two_ranks_train_the_same(tmp_path):
     """FSDP2 changes the layout, not the math: same losses and weights after 3 updates
     (8 sequences of varying lengths, 2 mini-batches x 2 epochs each, clipping, a schedule,
     different micro-batching, activation checkpointing on one side), for token-mean and
-    seq-mean losses."""
+    seq-mean losses; with the parameters sharded over the 2 ranks or replicated on each."""
     path = tiny_model_dir(tmp_path / "model")
-    for world in (1, 2):
-        torchrun(TRAIN, nproc=world, args=[path, tmp_path / f"out{world}.pt"],
+    # 2 ranks: parameters sharded over both (FSDP), and replicated on each (HSDP, shard size 1)
+    runs = {"one": (1, 1), "sharded": (2, 2), "replicated": (2, 1)}
+    for name, (world, shard_size) in runs.items():
+        torchrun(TRAIN, nproc=world, args=[path, tmp_path / f"{name}.pt", shard_size],
                  tmp_path=tmp_path, timeout=300, env=TESTS_ENV).check()
     start = {}
     for f in glob.glob(f"{path}/*.safetensors"):
         start |= load_file(f)
-    for agg in ("token-mean", "seq-mean-token-mean"):
-        one, two = (torch.load(tmp_path / f"out{w}.pt")[agg] for w in (1, 2))
+    for agg, two_ranks in itertools.product(("token-mean", "seq-mean-token-mean"), ("sharded", "replicated")):
+        one, two = (torch.load(tmp_path / f"{name}.pt")[agg] for name in ("one", two_ranks))
         for m1, m2 in zip(one["metrics"], two["metrics"]):
             assert m1.keys() == m2.keys() == {"actor/loss", "actor/clipfrac", "actor/grad_norm", "actor/lr",
                                               "actor/skipped_steps"}
@@ -310,3 +313,44 @@ def test_a_prompt_with_more_samples_than_the_budget_holds_is_cut_into_runs_that_
         assert len(set(whole[:6])) == 1 and whole[6] != whole[0]
     with pytest.raises(ValueError, match="exceeds the micro-batch token budget"):
         micro_batch_count(tokens, 0, 25, row_tokens=t["attention_mask"].sum(-1))   # a 30-token row
+
+
+def test_shard_size_auto_replicates_on_cpu_while_the_copies_fit():
+    from hflow.workers.fsdp import FSDPConfig, resolve_shard_size
+
+    cpu, gpu, GiB = torch.device("cpu"), torch.device("cuda", 0), 2**30
+    auto = FSDPConfig()
+    # 25M parameters trained: 16 bytes each = 400 MB a copy; 2 copies fit in half of 24 GiB
+    assert resolve_shard_size(auto, 2, cpu, 400 * 10**6, host_bytes=24 * GiB, ranks_on_host=2) == 1
+    # 1.5B trained on 4 ranks: 4 x 24 GB does not fit: shard over all
+    assert resolve_shard_size(auto, 4, cpu, 24 * 10**9, host_bytes=24 * GiB, ranks_on_host=4) == 4
+    # the boundary: the host's ranks' copies at most half its memory
+    assert resolve_shard_size(auto, 2, cpu, 6 * GiB, host_bytes=24 * GiB, ranks_on_host=2) == 1
+    assert resolve_shard_size(auto, 2, cpu, 6 * GiB + 1, host_bytes=24 * GiB, ranks_on_host=2) == 2
+    assert resolve_shard_size(auto, 8, gpu, 1000) == 8      # GPUs: sharded, whatever the size
+    assert resolve_shard_size(FSDPConfig(shard_size=2), 4, cpu, 1000) == 2
+    assert resolve_shard_size(FSDPConfig(shard_size=1), 4, gpu, 1000) == 1
+    for bad in (3, -1, 8):
+        with pytest.raises(ValueError, match="shard-size"):
+            resolve_shard_size(FSDPConfig(shard_size=bad), 4, cpu, 1000)
+
+
+def test_training_state_bytes_counts_adam_for_trained_and_weights_for_frozen():
+    from hflow.workers.fsdp import training_state_bytes
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 2).to(torch.bfloat16))
+    model[1].requires_grad_(False)
+    assert training_state_bytes(model) == 110 * 16 + 22 * 2
+
+
+def test_a_shard_size_that_does_not_divide_the_ranks_is_refused_before_spawning():
+    from hflow.validation import ConfigError
+    from hflow.workers import Actor, ActorConfig, Critic, CriticConfig, FSDPConfig, Reference
+
+    for worker, cfg, flag in [(Actor, ActorConfig, "--actor"), (Reference, ActorConfig, "--actor"),
+                              (Critic, CriticConfig, "--critic")]:
+        with pytest.raises(ConfigError, match=f"^{flag}.fsdp.shard-size 2: does not divide the 3 ranks"):
+            worker.check_arguments(3, cfg(fsdp=FSDPConfig(shard_size=2)))
+        worker.check_arguments(4, cfg(fsdp=FSDPConfig(shard_size=2)))
+        worker.check_arguments(3, cfg())   # auto: whatever the ranks

@@ -60,9 +60,12 @@ RESHARD = os.path.join(PROGRAMS, "reshard_generation_shards.py")
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,tps,row_on_dim1", [(2, "1,2", 1), (2, "1,2", 0), (4, "2,4", 1)])
-def test_generation_shards_after_an_update(tmp_path, world, tps, row_on_dim1):
+@pytest.mark.parametrize("world,tps,row_on_dim1,shard", [(2, "1,2", 1, 2), (2, "1,2", 0, 2), (4, "2,4", 1, 4),
+                                                         (4, "1,2", 1, 2), (2, "1,2", 1, 1)])
+def test_generation_shards_after_an_update(tmp_path, world, tps, row_on_dim1, shard):
+    """Sharded on every rank (the GPU default), HSDP (shard groups of 2 of 4 ranks) and
+    replicated (shard 1, the CPU default at these sizes)."""
     path = tiny_model_dir(tmp_path / "model", hidden=128, layers=3)
-    run = torchrun(RESHARD, nproc=world, args=[path, tps, row_on_dim1], tmp_path=tmp_path,
+    run = torchrun(RESHARD, nproc=world, args=[path, tps, row_on_dim1, shard], tmp_path=tmp_path,
                    timeout=300, env=TESTS_ENV).check()
     assert run.output.count("peak") == world * len(tps.split(","))

@@ -203,6 +203,9 @@ class Cluster:
         if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
             raise ValueError(f"spawn: ranks {ranks} must be distinct ranks of "
                              f"0..{self.world_size - 1}")
+        check = getattr(worker_class, "check_arguments", None)
+        if check is not None:
+            check(len(ranks), *args, **kwargs)
         shape = (len(ranks),) if mesh_shape is None else tuple(mesh_shape)
         grid = RankGrid.of(ranks, shape, tuple(mesh_dim_names))
         group_id = next(self._group_ids)

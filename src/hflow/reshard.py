@@ -22,6 +22,11 @@ one all-to-all across the tp group. A dim
 that does not divide by N is chunked differently by nested and flat sharding (torch.chunk
 rounds up), so such a tensor is gathered in full and sliced.
 
+With HSDP (`--*.fsdp.shard-size` below N: the weights replicated over groups of consecutive
+ranks, each sharded inside its group) a rank gathers the full tensor inside its shard group
+and slices it: nothing moves when the groups are single ranks (replicated weights, the CPU
+default), the full tensor's worth otherwise.
+
 Parameters are produced one at a time, in module order (layer by layer): the extra memory
 in flight is one tensor's generation shard plus its communication buffers.
 """
@@ -85,11 +90,13 @@ def generation_shard(param: DTensor, gen_mesh: DeviceMesh, dim: int | None,
     or the full tensor when `dim` is None. May alias the training storage: copy it."""
     device = device_of(gen_mesh)
     local = param.to_local().to(device=device, dtype=dtype or param.dtype)  # cast before sending
-    (train_placement,) = param.placements
-    k, world = train_placement.dim, gen_mesh.size()
     tp = gen_mesh.size(0)
     if dim is not None and param.shape[dim] % tp:
         raise ValueError(f"tensor-parallel size {tp} does not divide dim {dim} of a {tuple(param.shape)} weight")
+    if param.device_mesh.ndim == 2:
+        return _from_replicas(param, local, gen_mesh, dim)
+    (train_placement,) = param.placements
+    k, world = train_placement.dim, gen_mesh.size()
     if dim is not None and param.shape[k] % world == 0:
         view = DTensor.from_local(local, gen_mesh, (Shard(k), Shard(k)), run_check=False,
                                   shape=param.shape, stride=param.stride())
@@ -100,6 +107,17 @@ def generation_shard(param: DTensor, gen_mesh: DeviceMesh, dim: int | None,
     full = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride()).full_tensor()
     return full if dim is None else full.chunk(tp, dim)[gen_mesh.get_local_rank(0)]
+
+
+def _from_replicas(param: DTensor, local: torch.Tensor, gen_mesh: DeviceMesh, dim: int | None) -> torch.Tensor:
+    """The generation shard of an HSDP parameter, `(Replicate(), Shard(k))` on a (replicate,
+    shard) mesh: the full tensor is gathered inside the rank's shard group only (nothing
+    moves when the shard groups are single ranks: each holds the whole tensor), then sliced."""
+    if param.device_mesh.size(1) > 1:
+        local = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                   shape=param.shape, stride=param.stride()).full_tensor()
+    tp = gen_mesh.size(0)
+    return local if dim is None or tp == 1 else local.chunk(tp, dim)[gen_mesh.get_local_rank(0)]
 
 
 def _rows_to_columns(rows: torch.Tensor, gen_mesh: DeviceMesh) -> torch.Tensor:

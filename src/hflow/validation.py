@@ -59,6 +59,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "keep_last": _at_least(1, "checkpoints kept"),
     "max_skipped_steps": _at_least(0, "optimizer steps skipped before the run stops"),
     "tp_size": _at_least(1, "tensor-parallel size of the engine"),
+    "shard_size": _at_least(0, "ranks a parameter is sharded over; 0: auto, 1: replicated"),
     "max_num_seqs": _at_least(1, "sequences the engine runs at once"),
     "block_size": _at_least(1, "tokens per KV-cache block"),
     "num_workers": _at_least(1, "reward worker processes"),

@@ -16,12 +16,12 @@ RANK = dist.get_rank()
 MESH = init_device_mesh("cpu", (dist.get_world_size(),))
 ROOT = sys.argv[1]
 
-def build(seed):
+def build(seed, mesh=MESH):
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(build_config("tiny"))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=MESH)
-    fully_shard(model, mesh=MESH)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     return model, opt, sched

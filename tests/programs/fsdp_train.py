@@ -8,7 +8,7 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-path, out = sys.argv[1], sys.argv[2]
+path, out, shard_size = sys.argv[1], sys.argv[2], int(sys.argv[3])   # shard_size 1 on 2 ranks: replicated (HSDP)
 
 def ppo_loss(logp, mb, entropy=None):
     mask = mb["response_mask"]
@@ -28,7 +28,7 @@ for agg in ("token-mean", "seq-mean-token-mean"):
     # nor must keeping the gathered parameters from the forward to the backward)
     cfg = ActorConfig(model_path=path, mini_batch_size=2, epochs=2, micro_batch_size=3,
                       max_tokens_per_micro_batch=0 if world == 1 else 24,
-                      fsdp=FSDPConfig(activation_checkpointing=world == 2,
+                      fsdp=FSDPConfig(activation_checkpointing=world == 2, shard_size=shard_size,
                                       reshard_after_forward=world == 1 or agg == "token-mean"),
                       optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=20,
                                         grad_clip=0.5))

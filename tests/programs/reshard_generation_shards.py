@@ -10,8 +10,9 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
 path, tps, row_on_dim1 = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], sys.argv[3] == "1"
-actor = Actor(mesh, ActorConfig(model_path=path, fsdp=FSDPConfig(row_parallel_on_dim1=row_on_dim1),
-                                optim=OptimConfig(lr=1e-2)))
+shard_size = int(sys.argv[4]) if len(sys.argv) > 4 else world   # < world: HSDP, 1: replicated
+actor = Actor(mesh, ActorConfig(model_path=path, optim=OptimConfig(lr=1e-2),
+                                fsdp=FSDPConfig(row_parallel_on_dim1=row_on_dim1, shard_size=shard_size)))
 batch = random_rollouts(world, 2, 101, seed=3)
 pg_loss = lambda logp, mb, entropy=None: ((-mb["advantages"] * logp * mb["response_mask"]).sum()
                                           / mb["response_mask"].sum(), {})
@@ -31,8 +32,16 @@ for tp in tps:
         expect = full[name] if d is None else full[name].chunk(tp, d)[t]
         assert torch.equal(shard, expect), (tp, name)
         shards[name] = shard.clone()
-    # 2. bytes received: (dp - 1)/N of each tp-split tensor, 1/tp of a full all-gather
+    # 2. bytes received: (dp - 1)/N of each tp-split tensor, 1/tp of a full all-gather; with
+    # HSDP the full tensor gathered inside the shard group: (shard - 1)/shard of it, 0 replicated
     for name, param in params.items():
+        if shard_size < world:
+            assert param.device_mesh.shape == (world // shard_size, shard_size)
+            with CollectiveBytes() as counted:
+                generation_shard(param, gen_mesh, tensor_parallel_dim(name))
+            nbytes = param.numel() * param.element_size()
+            assert counted.received == (shard_size - 1) * nbytes // shard_size or param.shape[0] % shard_size, (name, counted.received)
+            continue
         d = tensor_parallel_dim(name)
         if d is None or param.placements[0].dim != d or param.shape[d] % world:
             continue
@@ -54,7 +63,8 @@ for tp in tps:
         units[key] = units.get(key, 0) + s.numel() * s.element_size()
     one_layer, total = max(units.values()), sum(units.values())
     print(f"rank {rank} tp {tp}: peak {mem.peak} one layer {one_layer} all {total}", flush=True)
-    assert 0 < mem.peak <= one_layer, (mem.peak, one_layer)
+    # replicated: the shards are the training storage itself, the copy allocates nothing
+    assert (0 if shard_size == 1 else 1) <= mem.peak <= one_layer, (mem.peak, one_layer)
     assert all(torch.equal(engine[n], shards[n]) for n in shards)
 # Tearing down gloo sub-groups of a world-built DeviceMesh sometimes aborts one rank at exit
 # ("terminate called without an active exception") after every check passed: leave at once.

@@ -140,6 +140,7 @@ class Reference(Actor):
     """The frozen initial policy: `log_probs` only (key ref_log_probs), no optimizer state."""
 
     flag_prefix = "ref"
+    config_prefix = "actor"
     trainable = False
     output_key = "ref_log_probs"
 

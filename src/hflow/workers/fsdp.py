@@ -35,7 +35,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification)
 
-from hflow.parallel import device_of
+from hflow.parallel import device_of, make_mesh
 from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
 from hflow.workers.packing import register_attention
 
@@ -83,6 +83,8 @@ class FSDPConfig:
     """free each layer's gathered parameters after its forward (False: keep them for the backward, one all-gather fewer per micro-batch, more memory; None: False on CPU, where memory is plentiful, True on GPUs)"""
     row_parallel_on_dim1: bool = True
     """shard o_proj/down_proj on their input dim, as tensor parallelism does (cheaper resharding)"""
+    shard_size: int = 0
+    """ranks each parameter is sharded over; the model is replicated over the groups of that many consecutive ranks and their gradients all-reduced between them (HSDP; verl's fsdp_size). 1: replicated on every rank, as DDP. 0: auto: all the ranks on GPUs; on CPU 1 when each rank's full copy of the model's training state (16 bytes a parameter when trained, its weights when frozen) fits in half the host's memory, else all the ranks (on CPU a gloo all-gather costs more than the memory it saves)"""
 
 
 def mixed_precision(cfg: FSDPConfig, device: torch.device) -> MixedPrecisionPolicy:
@@ -142,17 +144,58 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_shard_size(cfg: FSDPConfig, world: int, device: torch.device, state_bytes: int,
+                       host_bytes: int | None = None, ranks_on_host: int | None = None) -> int:
+    """How many ranks each parameter is sharded over (FSDPConfig.shard_size; 0: auto).
+
+    Auto on CPU weighs what sharding saves against what it costs there: a full copy of the
+    training state on each of the host's ranks (`state_bytes` each) when it fits in half the
+    host's memory, since gloo moves a tensor at ~1 GB/s, and every training pass and every
+    resharding for the engine would all-gather the weights."""
+    if cfg.shard_size < 0 or (cfg.shard_size and world % cfg.shard_size):
+        raise ValueError(f"--fsdp.shard-size {cfg.shard_size} must divide the model's {world} ranks "
+                         f"(0: auto, 1: replicated)")
+    if cfg.shard_size:
+        return cfg.shard_size
+    if device.type != "cpu":
+        return world
+    host = host_bytes if host_bytes is not None else host_memory_bytes()
+    ranks = ranks_on_host if ranks_on_host is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return 1 if state_bytes * ranks <= host // 2 else world
+
+
+def training_state_bytes(model: nn.Module) -> int:
+    """Bytes of one full copy of a model's training state: for each trained parameter its
+    fp32 weight, gradient and Adam's two moments; a frozen parameter's weight."""
+    return sum(p.numel() * (16 if p.requires_grad else p.element_size()) for p in model.parameters())
+
+
+def fsdp_mesh(mesh: DeviceMesh, shard_size: int) -> DeviceMesh:
+    """The mesh `fully_shard` runs on: `mesh` itself when every rank shards, else a 2-D
+    (replicate, shard) mesh over the same ranks, shard groups of consecutive ranks (HSDP)."""
+    if shard_size == mesh.size():
+        return mesh
+    ranks = mesh.mesh.flatten().tolist()
+    return make_mesh([ranks[i:i + shard_size] for i in range(0, len(ranks), shard_size)], ("replicate", "shard"))
+
+
 def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
-    """Activation checkpointing, then `fully_shard` per decoder layer and on the root."""
+    """Activation checkpointing, then `fully_shard` per decoder layer and on the root, over
+    groups of `cfg.shard_size` ranks (see resolve_shard_size)."""
     device = device_of(mesh)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    world = mesh.size()
+    shard_size = resolve_shard_size(cfg, mesh.size(), device, training_state_bytes(model))
+    mesh = fsdp_mesh(mesh, shard_size)
     row_parallel_ids = {id(p) for n, p in model.named_parameters() if n.endswith(ROW_PARALLEL)}
 
     def placement(param: nn.Parameter):
         # FSDP2 asks for an even split on any dim other than 0.
-        if cfg.row_parallel_on_dim1 and id(param) in row_parallel_ids and param.shape[1] % world == 0:
+        if cfg.row_parallel_on_dim1 and id(param) in row_parallel_ids and param.shape[1] % shard_size == 0:
             return Shard(1)
         return None
 

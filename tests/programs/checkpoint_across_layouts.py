@@ -1,0 +1,25 @@
+"""Saved with the weights replicated on each rank (HSDP, shard groups of 1), loaded sharded over
+both ranks, and back; run by test_checkpoint.py::test_checkpoint_loads_across_sharding_layouts."""
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+# importing checkpoint_common joins the gloo process group
+from checkpoint_common import MESH, RANK, ROOT, assert_same, build, snapshot, state, train_step
+from hflow import checkpoint as ck
+
+REPLICATED = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+layouts = {"replicated": REPLICATED, "sharded": MESH}
+for step, (saved_as, loaded_as) in enumerate([("replicated", "sharded"), ("sharded", "replicated")], start=1):
+    model, opt, sched = build(0, layouts[saved_as])
+    for _ in range(2):
+        train_step(model, opt, sched)
+    assert model.model.embed_tokens.weight.placements[-1].dim == 0
+    ck.save_checkpoint(ROOT, step, state(model, opt, sched))
+    saved = snapshot(model, opt)
+    other, other_opt, other_sched = build(1, layouts[loaded_as])   # other weights, no Adam state yet
+    ck.load_checkpoint(ck.latest_checkpoint(ROOT), state(other, other_opt, other_sched))
+    assert_same(snapshot(other, other_opt), saved)
+    assert other_sched.last_epoch == 2
+    print(f"rank {RANK} {saved_as} -> {loaded_as} ok", flush=True)
+dist.destroy_process_group()
