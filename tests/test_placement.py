@@ -1,6 +1,7 @@
 """--trainer.placement: the SPEC parser and every error, the named placements, the simulator of
 hflow's own layouts (FSDP2, the engine, ranks sharing CPU cores) against hand calculations,
 and `auto` on 4 CPU ranks with this machine's measured profile."""
+import dataclasses
 import math
 import re
 from types import SimpleNamespace
@@ -183,23 +184,45 @@ def ppo_planner(hw=CPU_HW, work=Workload(32, 6, 5, samples=4, updates=1, micro_b
     return FSDPPlanner(flow, work, hw, 4)
 
 
-def test_the_planner_prices_hflows_runs_by_hand():
-    planner = ppo_planner()
+@pytest.mark.parametrize("memory, replicated", [(2 ** 30, (True, True, True)), (120e6, (False, True, False))])
+def test_the_planner_prices_hflows_runs_by_hand(memory, replicated):
+    """On CPU a model whose copies fit in half the memory is replicated on its ranks (hflow's
+    default there: no gathers, no resharding, gradients all-reduced), else sharded: with 120 MB
+    a rank, the trained actor and critic (16 bytes a parameter) are sharded, the frozen
+    reference (4 bytes) replicated."""
+    hw = dataclasses.replace(CPU_HW, memory=memory)
+    planner = ppo_planner(hw)
     keep = True                                                            # CPU: weights stay gathered
     plan = planner.price([("actor", "ref", "critic")], [4])               # colocate: 4 ranks on 2 cores
     work, (actor, ref, critic) = planner.work, (planner.flow.models[r] for r in ("actor", "ref", "critic"))
-    generation = generate_time(actor, Parallel(1, 1, 4), work, CPU_HW, 32)   # 128 sequences, 32 a rank
-    generation = generation["prefill"] + generation["decode"] + fsdp_reshard_time(actor, 4, 1, CPU_HW)
-    preparation = sum(fsdp_infer_time(ref, 4, work, CPU_HW, keep).values()) + \
-        sum(fsdp_infer_time(critic, 4, work, CPU_HW, keep).values())
-    training = sum(fsdp_train_time(actor, 4, work, CPU_HW, keep).values()) + \
-        sum(fsdp_train_time(critic, 4, work, CPU_HW, keep).values())
+    assert tuple(planner.replicated(m) for m in (actor, ref, critic)) == replicated
+    replicated_actor, replicated_ref, replicated_critic = replicated
+    reshard = 0.0 if replicated_actor else fsdp_reshard_time(actor, 4, 1, hw)
+    generation = generate_time(actor, Parallel(1, 1, 4), work, hw, 32)   # 128 sequences, 32 a rank
+    generation = generation["prefill"] + generation["decode"] + reshard
+    preparation = sum(fsdp_infer_time(ref, 4, work, hw, keep, replicated=replicated_ref).values()) + \
+        sum(fsdp_infer_time(critic, 4, work, hw, keep, replicated=replicated_critic).values())
+    training = sum(fsdp_train_time(actor, 4, work, hw, keep, replicated_actor).values()) + \
+        sum(fsdp_train_time(critic, 4, work, hw, keep, replicated_critic).values())
     assert plan.stage_times == pytest.approx((2 * generation, 2 * preparation, 2 * training))
+    assert plan.sets[0].memory >= sum(fsdp_state_bytes(m, 4, r) for m, r in zip((actor, ref, critic), replicated))
     split = planner.price([("actor", "ref"), ("critic",)], [2, 2])
     assert [s.devices for s in split.sets] == [2, 2]
     assert split.stage_times[0] == pytest.approx(sum(
-        generate_time(actor, Parallel(1, 1, 2), work, CPU_HW, 64)[k] for k in ("prefill", "decode"))
-        + fsdp_reshard_time(actor, 2, 1, CPU_HW))                          # 2 ranks busy: each has a core
+        generate_time(actor, Parallel(1, 1, 2), work, hw, 64)[k] for k in ("prefill", "decode"))
+        + (0.0 if replicated_actor else fsdp_reshard_time(actor, 2, 1, hw)))   # 2 ranks busy: each has a core
+
+
+def test_replicated_training_by_hand():
+    """Replicated: no gathers, the fp32 gradients all-reduced (a reduce-scatter's bytes twice),
+    Adam over the whole model, the whole state on each rank."""
+    sharded = fsdp_train_time(ACTOR, 2, WORK, HW, keep_gathered=True)
+    replicated = fsdp_train_time(ACTOR, 2, WORK, HW, keep_gathered=True, replicated=True)
+    assert replicated["gather"] == 0 and replicated["compute"] == sharded["compute"]
+    assert replicated["reduce_scatter"] == pytest.approx(2 * sharded["reduce_scatter"])
+    assert replicated["optimizer"] == pytest.approx(2 * sharded["optimizer"])
+    assert fsdp_infer_time(REF, 4, WORK, HW, keep_gathered=False, replicated=True)["gather"] == 0
+    assert fsdp_state_bytes(ACTOR, 4, replicated=True) == 4 * fsdp_state_bytes(ACTOR, 4)
 
 
 def test_the_planner_enumerates_hflows_placements_on_4_ranks():

@@ -28,6 +28,10 @@ gathered weights (the whole model where they stay gathered, else two units) and 
 micro-batch's activations; while generating, the engine's copy of the weights (1/tp_g) and
 the KV cache.
 
+On CPU, a model whose copies fit in half the host's memory is replicated on each of its set's
+ranks instead (hflow's default there, hflow.workers.fsdp.resolve_shard_size): no gathers and
+no resharding, the gradients all-reduced, the whole state on every rank.
+
 On a CPU (`hw.cores`), ranks share the machine's cores: `step_cost` shares them among a
 stage's busy ranks (hflow.placement.planner.shared_stage_time), so that 4 colocated ranks on
 2 cores take twice as long as 2, and sets on ranks of their own run side by side only as far
@@ -74,26 +78,30 @@ def micro_batches(rows: int, work: Workload) -> int:
     return max(1, math.ceil(rows * work.seq_len / work.micro_batch_tokens))
 
 
-def fsdp_train_time(model: Model, n: int, work: Workload, hw: Hardware, keep_gathered: bool) -> dict[str, float]:
-    """One training stage on n FSDP2 ranks: `work.updates` optimizer steps."""
+def fsdp_train_time(model: Model, n: int, work: Workload, hw: Hardware, keep_gathered: bool,
+                    replicated: bool = False) -> dict[str, float]:
+    """One training stage on n FSDP2 ranks: `work.updates` optimizer steps. `replicated`: every
+    rank holds all the weights (HSDP, shard groups of 1): nothing to gather, the gradients
+    all-reduced (twice a reduce-scatter's bytes), Adam over the whole model on every rank."""
     params, w, updates = model.shape.params(model.value_head), hw.weight_bytes, work.updates
     rows = math.ceil(work.sequences / updates / n)
     micro, units = micro_batches(rows, work), fsdp_units(model)
-    gathers = micro * (1 if keep_gathered else 2)
+    gathers = 0 if replicated else micro * (1 if keep_gathered else 2)
     return {
         "compute": 3 * forward_flops(model, work.seq_len) * rows * updates / (hw.peak_flops * hw.efficiency.train),
         "gather": updates * gathers * collective_time(w * params, n, hw, units),
-        "reduce_scatter": updates * micro * collective_time(4 * params, n, hw, units),
+        "reduce_scatter": updates * micro * (2 if replicated else 1) * collective_time(4 * params, n, hw, units),
         # a streaming kernel, priced as decode's weight reads
-        "optimizer": updates * ADAM_BYTES * params / n / (hw.memory_bandwidth * hw.efficiency.generation),
+        "optimizer": updates * ADAM_BYTES * params / (1 if replicated else n)
+                     / (hw.memory_bandwidth * hw.efficiency.generation),
     }
 
 
 def fsdp_infer_time(model: Model, n: int, work: Workload, hw: Hardware, keep_gathered: bool,
-                    repeat: int = 1) -> dict[str, float]:
+                    repeat: int = 1, replicated: bool = False) -> dict[str, float]:
     """One forward over every sequence (x repeat), ceil(sequences / n) rows a rank."""
     rows = math.ceil(work.sequences * repeat / n)
-    gathers = 1 if keep_gathered else micro_batches(rows, work)
+    gathers = 0 if replicated else 1 if keep_gathered else micro_batches(rows, work)
     return {
         "compute": forward_flops(model, work.seq_len) * rows / (hw.peak_flops * hw.efficiency.inference),
         "gather": gathers * collective_time(hw.weight_bytes * model.shape.params(model.value_head), n, hw,
@@ -101,9 +109,10 @@ def fsdp_infer_time(model: Model, n: int, work: Workload, hw: Hardware, keep_gat
     }
 
 
-def fsdp_state_bytes(model: Model, n: int) -> float:
-    """fp32 shards a rank holds throughout: weights, and for a trained model gradients and Adam's m, v."""
-    return (16 if model.trained else 4) * model.shape.params(model.value_head) / n
+def fsdp_state_bytes(model: Model, n: int, replicated: bool = False) -> float:
+    """fp32 shards a rank holds throughout: weights, and for a trained model gradients and
+    Adam's m, v; all of them on every rank when `replicated`."""
+    return (16 if model.trained else 4) * model.shape.params(model.value_head) / (1 if replicated else n)
 
 
 def fsdp_working_bytes(model: Model, n: int, work: Workload, weight_bytes: int, keep_gathered: bool) -> float:
@@ -147,6 +156,11 @@ class FSDPPlanner(Planner):
         # hflow's FSDPConfig.reshard_after_forward default: keep the weights gathered on CPU
         self.keep_gathered = hw.name == "cpu"
 
+    def replicated(self, model: Model) -> bool:
+        """hflow's FSDPConfig.shard_size default (hflow.workers.fsdp.resolve_shard_size): on CPU
+        each rank holds all of a model while its copies take at most half the host's memory."""
+        return self.hw.name == "cpu" and fsdp_state_bytes(model, 1) <= self.hw.memory / 2
+
     def parallels(self, role: str, n: int) -> list[Parallel]:
         trained = self.flow.models[role].trained
         if trained and (self.work.sequences // self.work.updates) % n:
@@ -158,19 +172,20 @@ class FSDPPlanner(Planner):
         return [Parallel(1, tp, n // tp)] if n % tp == 0 else []
 
     def train_parts(self, model: Model, par: Parallel) -> dict[str, float]:
-        return fsdp_train_time(model, par.d, self.work, self.hw, self.keep_gathered)
+        return fsdp_train_time(model, par.d, self.work, self.hw, self.keep_gathered, self.replicated(model))
 
     def infer_parts(self, model: Model, par: Parallel, repeat: int) -> dict[str, float]:
-        return fsdp_infer_time(model, par.d, self.work, self.hw, self.keep_gathered, repeat)
+        return fsdp_infer_time(model, par.d, self.work, self.hw, self.keep_gathered, repeat, self.replicated(model))
 
     def state_bytes(self, model: Model, par: Parallel) -> float:
-        return fsdp_state_bytes(model, par.d)
+        return fsdp_state_bytes(model, par.d, self.replicated(model))
 
     def activation_bytes(self, model: Model, par: Parallel) -> float:
-        return fsdp_working_bytes(model, par.d, self.work, self.hw.weight_bytes, self.keep_gathered)
+        return fsdp_working_bytes(model, par.d, self.work, self.hw.weight_bytes,
+                                  self.keep_gathered or self.replicated(model))
 
     def generation_extra_bytes(self, model: Model, train: Parallel, gen: Parallel) -> float:
         return self.hw.weight_bytes * model.shape.params(model.value_head) / gen.t   # the engine's own copy
 
     def reshard_seconds(self, model: Model, train: Parallel, gen: Parallel) -> float:
-        return fsdp_reshard_time(model, train.d, gen.t, self.hw)
+        return 0.0 if self.replicated(model) else fsdp_reshard_time(model, train.d, gen.t, self.hw)
