@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hflow.measure import AllocatedBytes, CollectiveBytes
 from hflow.reshard import generation_mesh, generation_weights, tensor_parallel_dim
-from hflow.workers import Actor, ActorConfig
+from hflow.workers import Actor, ActorConfig, FSDPConfig
 
 
 def make_model(path: str, hidden: int, layers: int, vocab: int) -> None:
@@ -61,7 +61,9 @@ def main():
     if rank == 0:
         make_model(path, args.hidden, args.layers, args.vocab)
     dist.barrier()
-    actor = Actor(mesh, ActorConfig(model_path=path))
+    # sharded over every rank, as on GPUs (on CPU hflow replicates a model this small by default,
+    # and then resharding moves nothing)
+    actor = Actor(mesh, ActorConfig(model_path=path, fsdp=FSDPConfig(shard_size=world)))
     dist.barrier()
     if rank == 0:
         shutil.rmtree(tmp[0])
