@@ -15,7 +15,9 @@ model's EOS probability, mean length 52 -> 1 -> 96 in three steps, and the workl
   whole step = on_step_begin .. on_step_end of a TrainerCallback.
 - hflow: the real recipes as a user runs them, `torchrun --nproc-per-node R recipes/grpo.py`
   (R ranks x 2/R threads, OMP_NUM_THREADS), phases read from <output_dir>/metrics.jsonl
-  (time/*_s; comm/*: MiB each rank's collectives receive per step, HFLOW_COUNT_COMM=1). PPO (`recipes/ppo.py`, its critic, beta 0, no critic
+  (time/*_s). comm/*: MiB each rank's collectives receive per step, from one more run of 2 steps
+  with HFLOW_COUNT_COMM=1 per multi-rank configuration (counting passes every op through
+  Python, ~0.1 s a step here, so the timed runs do not count). PPO (`recipes/ppo.py`, its critic, beta 0, no critic
   warm-up) is reported the same way; it has no TRL peer.
 
 Workloads: equal (~25M-parameter Qwen2: hidden 512, 8 layers, vocab 4096; <= 32 new tokens, EOS
@@ -225,12 +227,13 @@ def run_logged(cmd: list[str], env: dict, log: Path) -> float:
     return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
-def run_hflow(spec: dict, algo: str, ranks: int, threads: int, tag: str) -> list[dict]:
+def run_hflow(spec: dict, algo: str, ranks: int, threads: int, tag: str, count_comm: bool = False,
+              steps: int | None = None) -> list[dict]:
     out = Path(spec["work"]) / tag
     batch, n, max_tokens = spec["shapes"][algo]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            f"recipes/{algo}.py", "--model.path", spec["model_dir"], "--reward.fn", spec["reward"],
-           *spec["hflow_flags"], "--data.no-shuffle", "--trainer.steps", str(spec["steps"]),
+           *spec["hflow_flags"], "--data.no-shuffle", "--trainer.steps", str(steps or spec["steps"]),
            "--trainer.eval-size", "0", "--trainer.no-export", "--trainer.output-dir", str(out),
            "--rollout.no-progress", "--trainer.logging.no-progress-bars"]
     if spec["name"] != "default":   # the default workload keeps the recipes' own defaults
@@ -240,8 +243,9 @@ def run_hflow(spec: dict, algo: str, ranks: int, threads: int, tag: str) -> list
     cmd += spec["extra"]
     pythonpath = os.pathsep.join([spec["work"], str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
     start = time.perf_counter()
-    # HFLOW_COUNT_COMM: the bytes each rank's collectives receive per step (comm/*; costs well under 1 %)
-    env = {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": pythonpath, "HFLOW_COUNT_COMM": "1"}
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": pythonpath}
+    if count_comm:   # comm/*: MiB each rank's collectives receive per step; every op then passes through Python
+        env["HFLOW_COUNT_COMM"] = "1"
     cpu = run_logged(cmd, env, out.with_suffix(".log"))
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     print(f"    {tag}: {time.perf_counter() - start:.0f} s wall, {cpu:.0f} s CPU", flush=True)
@@ -429,8 +433,10 @@ def phase_floor(spec: dict, algo: str, row: dict, phase: str, peak: float, bandw
     return generate + (flop["log_probs"] + flop["update"]) / peak if phase == "step" else flop[phase] / peak
 
 
-def report(spec: dict, algo: str, label: str, rows: list[dict], peak: float, bandwidth: float) -> float:
-    """Print the phase table of one configuration; return its median whole-step tokens/s."""
+def report(spec: dict, algo: str, label: str, rows: list[dict], peak: float, bandwidth: float,
+           comm: dict[str, float]) -> float:
+    """Print the phase table of one configuration (and `comm`, the MiB its ranks' collectives
+    receive a step); return its median whole-step tokens/s."""
     batch, n, _ = spec["shapes"][algo]
     tokens = [r["response_length/mean"] * batch * n for r in rows]
     print(f"  {label}: {len(rows)} steps, mean response {statistics.mean(tokens) / (batch * n):.1f} tokens")
@@ -448,8 +454,8 @@ def report(spec: dict, algo: str, label: str, rows: list[dict], peak: float, ban
             print("    (above 100 %: the matmul peak was measured low; was the machine busy?)")
     other = [r["time/step_s"] - r["time/generate_s"] - r["time/log_probs_s"] - r["time/update_s"] for r in rows]
     print(f"    {'other (score)':<14}{statistics.median(other):9.2f}")
-    for key in sorted({k for r in rows for k in r if k.startswith("comm/")}):
-        print(f"    {key}: median {statistics.median(r[key] for r in rows if key in r):,.6g}")
+    for key, mib in sorted(comm.items()):
+        print(f"    {key}: {mib:,.6g} a step (a separate counted run)")
     return step_rate(spec, algo, rows)
 
 
@@ -506,6 +512,12 @@ def main():
                         run_hflow(spec, algo, r, args.cores // r, tag)
                     results.setdefault((algo, who, r), []).extend(rows[args.warmup:])
                     by_round.setdefault((algo, who, r), []).append(step_rate(spec, algo, rows[args.warmup:]))
+            # the bytes a rank receives: counting passes every op through Python (~0.1 s a step
+            # here), so a separate 2-step run counts them and the timed runs do not
+            comm = {(algo, who, r): {k: v for k, v in run_hflow(spec, algo, r, args.cores // r, f"{who}-{algo}-{r}r-comm",
+                                                                 count_comm=True, steps=2)[-1].items()
+                                     if k.startswith("comm/")}
+                    for algo, who, r in runs if who == "hflow" and r > 1}
             peak = max(peak, matmul_peak(spec, args.cores))
             bandwidth = memory_bandwidth(args.cores)
             print(f"  matmul peak, best of before and after the runs: {peak:.0f} GFLOP/s; memory read "
@@ -524,7 +536,7 @@ def main():
             for (algo, who, r), rows in results.items():
                 label = "TRL GRPOTrainer, 1 process x 2 threads" if who == "trl" else \
                     f"hflow {algo.upper()}, {r} rank{'s' if r > 1 else ''} x {args.cores // r} thread(s)"
-                rates[(algo, who, r)] = report(spec, algo, label, rows, peak, bandwidth)
+                rates[(algo, who, r)] = report(spec, algo, label, rows, peak, bandwidth, comm.get((algo, who, r), {}))
             table += summary_rows(name, rates)
             if args.trl and args.rounds > 1:   # each round's own ratio: how much one round moves
                 trl = by_round[("grpo", "trl", 1)]
