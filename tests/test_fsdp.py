@@ -261,10 +261,9 @@ def test_on_policy_update_skips_the_old_log_probs_pass(tmp_path):
         runs[world] = torch.load(tmp_path / f"on{world}.pt")
     weights = sum(t.nbytes for f in glob.glob(f"{path}/*.safetensors") for t in load_file(f).values())
     assert runs[1]["received"] == 0
-    # 2 ranks, 2 micro-batches of 3 + 1 rows each, gathered parameters kept from the forward
-    # to the backward (the CPU default): for each micro-batch a rank receives the half of the
-    # weights it lacks (all-gather) and half of the gradients (reduce-scatter), plus FSDP's
-    # padding of uneven shards and a few small all-reduces
+    # 2 ranks, 2 micro-batches of 3 + 1 rows each, the weights replicated on each rank (the CPU
+    # default at this size): each micro-batch's backward all-reduces the gradients, a rank
+    # receiving half of them twice (ring: reduce, then gather), plus a few small all-reduces
     assert 2.0 * weights <= runs[2]["received"] <= 2.05 * weights, (runs[2]["received"], weights)
     for world, run in runs.items():
         assert "only an on-policy update" in run["error"]
@@ -320,13 +319,13 @@ def test_shard_size_auto_replicates_on_cpu_while_the_copies_fit():
 
     cpu, gpu, GiB = torch.device("cpu"), torch.device("cuda", 0), 2**30
     auto = FSDPConfig()
-    # 25M parameters trained: 16 bytes each = 400 MB a copy; 2 copies fit in half of 24 GiB
+    # 25M parameters trained: 16 bytes each = 400 MB a copy; 2 copies fit in a quarter of 24 GiB
     assert resolve_shard_size(auto, 2, cpu, 400 * 10**6, host_bytes=24 * GiB, ranks_on_host=2) == 1
     # 1.5B trained on 4 ranks: 4 x 24 GB does not fit: shard over all
     assert resolve_shard_size(auto, 4, cpu, 24 * 10**9, host_bytes=24 * GiB, ranks_on_host=4) == 4
-    # the boundary: the host's ranks' copies at most half its memory
-    assert resolve_shard_size(auto, 2, cpu, 6 * GiB, host_bytes=24 * GiB, ranks_on_host=2) == 1
-    assert resolve_shard_size(auto, 2, cpu, 6 * GiB + 1, host_bytes=24 * GiB, ranks_on_host=2) == 2
+    # the boundary: the host's ranks' copies at most a quarter of its memory
+    assert resolve_shard_size(auto, 2, cpu, 3 * GiB, host_bytes=24 * GiB, ranks_on_host=2) == 1
+    assert resolve_shard_size(auto, 2, cpu, 3 * GiB + 1, host_bytes=24 * GiB, ranks_on_host=2) == 2
     assert resolve_shard_size(auto, 8, gpu, 1000) == 8      # GPUs: sharded, whatever the size
     assert resolve_shard_size(FSDPConfig(shard_size=2), 4, cpu, 1000) == 2
     assert resolve_shard_size(FSDPConfig(shard_size=1), 4, gpu, 1000) == 1

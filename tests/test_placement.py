@@ -186,7 +186,7 @@ def ppo_planner(hw=CPU_HW, work=Workload(32, 6, 5, samples=4, updates=1, micro_b
 
 @pytest.mark.parametrize("memory, replicated", [(2 ** 30, (True, True, True)), (120e6, (False, True, False))])
 def test_the_planner_prices_hflows_runs_by_hand(memory, replicated):
-    """On CPU a model whose copies fit in half the memory is replicated on its ranks (hflow's
+    """On CPU a model whose copies fit in a quarter of the memory is replicated on its ranks (hflow's
     default there: no gathers, no resharding, gradients all-reduced), else sharded: with 120 MB
     a rank, the trained actor and critic (16 bytes a parameter) are sharded, the frozen
     reference (4 bytes) replicated."""

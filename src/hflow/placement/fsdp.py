@@ -28,7 +28,7 @@ gathered weights (the whole model where they stay gathered, else two units) and 
 micro-batch's activations; while generating, the engine's copy of the weights (1/tp_g) and
 the KV cache.
 
-On CPU, a model whose copies fit in half the host's memory is replicated on each of its set's
+On CPU, a model whose copies fit in a quarter of the host's memory is replicated on each of its set's
 ranks instead (hflow's default there, hflow.workers.fsdp.resolve_shard_size): no gathers and
 no resharding, the gradients all-reduced, the whole state on every rank.
 
@@ -158,8 +158,8 @@ class FSDPPlanner(Planner):
 
     def replicated(self, model: Model) -> bool:
         """hflow's FSDPConfig.shard_size default (hflow.workers.fsdp.resolve_shard_size): on CPU
-        each rank holds all of a model while its copies take at most half the host's memory."""
-        return self.hw.name == "cpu" and fsdp_state_bytes(model, 1) <= self.hw.memory / 2
+        each rank holds all of a model while its copies take at most a quarter of the host's memory."""
+        return self.hw.name == "cpu" and fsdp_state_bytes(model, 1) <= self.hw.memory / 4
 
     def parallels(self, role: str, n: int) -> list[Parallel]:
         trained = self.flow.models[role].trained

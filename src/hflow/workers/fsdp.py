@@ -84,7 +84,7 @@ class FSDPConfig:
     row_parallel_on_dim1: bool = True
     """shard o_proj/down_proj on their input dim, as tensor parallelism does (cheaper resharding)"""
     shard_size: int = 0
-    """ranks each parameter is sharded over; the model is replicated over the groups of that many consecutive ranks and their gradients all-reduced between them (HSDP; verl's fsdp_size). 1: replicated on every rank, as DDP. 0: auto: all the ranks on GPUs; on CPU 1 when each rank's full copy of the model's training state (16 bytes a parameter when trained, its weights when frozen) fits in half the host's memory, else all the ranks (on CPU a gloo all-gather costs more than the memory it saves)"""
+    """ranks each parameter is sharded over; the model is replicated over the groups of that many consecutive ranks and their gradients all-reduced between them (HSDP; verl's fsdp_size). 1: replicated on every rank, as DDP. 0: auto: all the ranks on GPUs; on CPU 1 when the host's ranks' full copies of the model's training state (16 bytes a parameter when trained, its weights when frozen) fit in a quarter of its memory, else all the ranks (on CPU a gloo all-gather costs more than the memory it saves)"""
 
 
 def mixed_precision(cfg: FSDPConfig, device: torch.device) -> MixedPrecisionPolicy:
@@ -153,8 +153,9 @@ def resolve_shard_size(cfg: FSDPConfig, world: int, device: torch.device, state_
     """How many ranks each parameter is sharded over (FSDPConfig.shard_size; 0: auto).
 
     Auto on CPU weighs what sharding saves against what it costs there: a full copy of the
-    training state on each of the host's ranks (`state_bytes` each) when it fits in half the
-    host's memory, since gloo moves a tensor at ~1 GB/s, and every training pass and every
+    training state on each of the host's ranks (`state_bytes` each) when they fit in a quarter
+    of the host's memory (the rest: the weights FSDP computes with, the engine's copy, the other
+    models, activations), since gloo moves a tensor at ~1 GB/s and every training pass and every
     resharding for the engine would all-gather the weights."""
     if cfg.shard_size < 0 or (cfg.shard_size and world % cfg.shard_size):
         raise ValueError(f"--fsdp.shard-size {cfg.shard_size} must divide the model's {world} ranks "
@@ -165,7 +166,7 @@ def resolve_shard_size(cfg: FSDPConfig, world: int, device: torch.device, state_
         return world
     host = host_bytes if host_bytes is not None else host_memory_bytes()
     ranks = ranks_on_host if ranks_on_host is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return 1 if state_bytes * ranks <= host // 2 else world
+    return 1 if state_bytes * ranks <= host // 4 else world
 
 
 def training_state_bytes(model: nn.Module) -> int:
