@@ -94,7 +94,7 @@ def generation_shard(param: DTensor, gen_mesh: DeviceMesh, dim: int | None,
     if dim is not None and param.shape[dim] % tp:
         raise ValueError(f"tensor-parallel size {tp} does not divide dim {dim} of a {tuple(param.shape)} weight")
     if param.device_mesh.ndim == 2:
-        return _from_replicas(param, local, gen_mesh, dim)
+        return _from_replicas(param, local, gen_mesh, dim, tp)
     (train_placement,) = param.placements
     k, world = train_placement.dim, gen_mesh.size()
     if dim is not None and param.shape[k] % world == 0:
@@ -109,14 +109,13 @@ def generation_shard(param: DTensor, gen_mesh: DeviceMesh, dim: int | None,
     return full if dim is None else full.chunk(tp, dim)[gen_mesh.get_local_rank(0)]
 
 
-def _from_replicas(param: DTensor, local: torch.Tensor, gen_mesh: DeviceMesh, dim: int | None) -> torch.Tensor:
+def _from_replicas(param: DTensor, local: torch.Tensor, gen_mesh: DeviceMesh, dim: int | None, tp: int) -> torch.Tensor:
     """The generation shard of an HSDP parameter, `(Replicate(), Shard(k))` on a (replicate,
     shard) mesh: the full tensor is gathered inside the rank's shard group only (nothing
     moves when the shard groups are single ranks: each holds the whole tensor), then sliced."""
     if param.device_mesh.size(1) > 1:
         local = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                    shape=param.shape, stride=param.stride()).full_tensor()
-    tp = gen_mesh.size(0)
     return local if dim is None or tp == 1 else local.chunk(tp, dim)[gen_mesh.get_local_rank(0)]
 
 

@@ -158,8 +158,9 @@ class FSDPPlanner(Planner):
 
     def replicated(self, model: Model) -> bool:
         """hflow's FSDPConfig.shard_size default (hflow.workers.fsdp.resolve_shard_size): on CPU
-        each rank holds all of a model while its copies take at most a quarter of the host's memory."""
-        return self.hw.name == "cpu" and fsdp_state_bytes(model, 1) <= self.hw.memory / 4
+        each rank holds all of a model while its copies fit (`hw.memory` is one rank's share)."""
+        from hflow.workers.fsdp import replicas_fit   # the run's own rule (torch, transformers: only here)
+        return self.hw.name == "cpu" and replicas_fit(fsdp_state_bytes(model, 1), self.hw.memory)
 
     def parallels(self, role: str, n: int) -> list[Parallel]:
         trained = self.flow.models[role].trained

@@ -25,10 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow import algos, measure
 from hflow.checkpoint import ModelState, export_hf, load_sharded, save_sharded
 from hflow.dispatch import dispatch
-from hflow.validation import ConfigError
 from hflow.workers import layout
-from hflow.workers.fsdp import (FSDPConfig, OptimConfig, all_reduce_sum, build_optimizer, clip_grad_norm_, device_of,
-                               mixed_precision, reshard)
+from hflow.workers.fsdp import (FSDPConfig, OptimConfig, all_reduce_sum, build_optimizer, check_shard_size,
+                               clip_grad_norm_, device_of, mixed_precision, reshard)
 
 
 @dataclass
@@ -130,9 +129,7 @@ class ModelWorker:
         """Refuse a config that cannot run on `ranks` ranks, on the controller before any rank
         builds anything (Cluster.spawn calls it): one line, not a traceback from every rank."""
         shard_size = getattr(getattr(cfg, "fsdp", None), "shard_size", 0)
-        if shard_size > 0 and ranks % shard_size:
-            raise ConfigError(f"--{cls.config_prefix or cls.flag_prefix}.fsdp.shard-size {shard_size}: does not "
-                              f"divide the {ranks} ranks of the {cls.__name__} (0: auto, 1: replicated)")
+        check_shard_size(shard_size, ranks, f"--{cls.config_prefix or cls.flag_prefix}.fsdp.shard-size", cls.__name__)
 
     def __init__(self, mesh: DeviceMesh, model: torch.nn.Module, cfg, optim_cfg=None):
         self.mesh, self.model, self.cfg = mesh, model, cfg

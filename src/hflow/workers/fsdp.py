@@ -37,6 +37,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from hflow.parallel import device_of, make_mesh
 from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
+from hflow.validation import ConfigError
 from hflow.workers.packing import register_attention
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -148,25 +149,39 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def check_shard_size(shard_size: int, ranks: int, flag: str = "--fsdp.shard-size", owner: str = "model") -> None:
+    """Refuse a shard size that is negative or does not divide the `ranks` of its `owner`."""
+    if shard_size < 0:
+        raise ConfigError(f"{flag} {shard_size}: must be >= 0 (0: auto, 1: replicated)")
+    if shard_size and ranks % shard_size:
+        raise ConfigError(f"{flag} {shard_size}: does not divide the {ranks} ranks of the {owner} "
+                          f"(0: auto, 1: replicated)")
+
+
+def replicas_fit(copies_bytes: float, memory_bytes: float) -> bool:
+    """The CPU rule of auto shard size: every rank holds a whole model while all the host's
+    copies of its training state take at most a quarter of the host's memory (the rest: the
+    weights FSDP computes with, the engine's copy, the other models, activations). The
+    placement planner prices runs by the same rule."""
+    return copies_bytes <= memory_bytes / 4
+
+
 def resolve_shard_size(cfg: FSDPConfig, world: int, device: torch.device, state_bytes: int,
                        host_bytes: int | None = None, ranks_on_host: int | None = None) -> int:
     """How many ranks each parameter is sharded over (FSDPConfig.shard_size; 0: auto).
 
     Auto on CPU weighs what sharding saves against what it costs there: a full copy of the
-    training state on each of the host's ranks (`state_bytes` each) when they fit in a quarter
-    of the host's memory (the rest: the weights FSDP computes with, the engine's copy, the other
-    models, activations), since gloo moves a tensor at ~1 GB/s and every training pass and every
-    resharding for the engine would all-gather the weights."""
-    if cfg.shard_size < 0 or (cfg.shard_size and world % cfg.shard_size):
-        raise ValueError(f"--fsdp.shard-size {cfg.shard_size} must divide the model's {world} ranks "
-                         f"(0: auto, 1: replicated)")
+    training state on each of the host's ranks (`state_bytes` each) when they fit (replicas_fit),
+    since gloo moves a tensor at ~1 GB/s and every training pass and every resharding for the
+    engine would all-gather the weights."""
+    check_shard_size(cfg.shard_size, world)
     if cfg.shard_size:
         return cfg.shard_size
     if device.type != "cpu":
         return world
     host = host_bytes if host_bytes is not None else host_memory_bytes()
     ranks = ranks_on_host if ranks_on_host is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return 1 if state_bytes * ranks <= host // 4 else world
+    return 1 if replicas_fit(state_bytes * ranks, host) else world
 
 
 def training_state_bytes(model: nn.Module) -> int:
