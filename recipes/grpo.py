@@ -68,7 +68,7 @@ from hflow.run import Run
 from hflow.validation import ConfigError
 from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
 from hflow.workers.base import trainable_prompts
-from hflow.workers.layout import concat_rollouts
+from hflow.layout import concat_rollouts
 
 Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 AggMode = Literal[algos.AGG_MODES]

@@ -89,7 +89,7 @@ def test_balanced_order_moves_the_samples_of_a_prompt_together():
 
 
 def test_a_balanced_rollout_keeps_each_prompts_samples_on_one_rank():
-    from hflow.workers import layout
+    from hflow import layout
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 50, (int(torch.randint(2, 30, (), generator=g)),), generator=g).tolist()
                for _ in range(8)]

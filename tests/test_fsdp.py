@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from hflow.workers.base import check_batch_sizes, num_minibatches
 from hflow.workers.fsdp import OptimConfig, build_optimizer
-from hflow.workers.layout import (engine_outputs_to_tensors, minibatch_rows, sequence_tensors,
-                                  split_micro_batches, trim_padding)
+from hflow.layout import engine_outputs_to_tensors, sequence_tensors, trim_padding
+from hflow.workers.micro_batches import minibatch_rows, split_micro_batches
 
 
 TESTS_ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}  # scripts import these helpers
@@ -282,7 +282,8 @@ def test_on_policy_update_skips_the_old_log_probs_pass(tmp_path):
 
 
 def test_token_budget_keeps_the_samples_of_a_prompt_in_one_micro_batch():
-    from hflow.workers.layout import packed_tokens, prompt_groups, sequence_tensors
+    from hflow.layout import sequence_tensors
+    from hflow.workers.micro_batches import packed_tokens, prompt_groups
     prompts = [[5] * 10, [6] * 3, [7] * 20]
     which = [0, 0, 1, 2, 1, 2, 0, 2]
     t = sequence_tensors([prompts[w] for w in which], [[9] * r for r in (4, 8, 2, 6, 1, 3, 5, 7)], pad_id=0)
@@ -297,7 +298,8 @@ def test_token_budget_keeps_the_samples_of_a_prompt_in_one_micro_batch():
 
 
 def test_a_prompt_with_more_samples_than_the_budget_holds_is_cut_into_runs_that_fit():
-    from hflow.workers.layout import budget_groups, micro_batch_count, packed_tokens, sequence_tensors
+    from hflow.layout import sequence_tensors
+    from hflow.workers.micro_batches import budget_groups, micro_batch_count, packed_tokens
     t = sequence_tensors([[5] * 10] * 6 + [[6] * 4], [[9] * 20] * 6 + [[9] * 3], pad_id=0)
     groups = budget_groups(t, 60)
     assert groups[:6].tolist() == [groups[0]] * 2 + [groups[2]] * 2 + [groups[4]] * 2   # runs of 2 rows

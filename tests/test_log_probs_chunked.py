@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from hflow.measure import AllocatedBytes
-from hflow.workers.layout import token_log_probs
+from hflow.workers.log_probs import token_log_probs
 
 
 def whole(logits, tokens, temperature):

@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from hflow.workers import layout, packing
+from hflow import layout
+from hflow.workers import micro_batches, packing
 
 
 def tiny_qwen2(seed=0):
@@ -94,7 +95,7 @@ def grouped_micro_batch(seed=5):
 @pytest.mark.parametrize("overhead", [0.0, packing.BUCKET_OVERHEAD, 1e12])
 def test_shared_prompts_are_packed_once_with_the_same_log_probs_and_gradients(overhead):
     t, prompts, responses = grouped_micro_batch()
-    groups, which = layout.prompt_groups(t).tolist(), [0, 2, 0, 1, 2, 0, 2, 0]
+    groups, which = micro_batches.prompt_groups(t).tolist(), [0, 2, 0, 1, 2, 0, 2, 0]
     assert all((groups[i] == groups[j]) == (which[i] == which[j]) for i in range(8) for j in range(8))
     packed = assert_packed_matches_padded(t, overhead)
     # each prompt's tokens once, every response's

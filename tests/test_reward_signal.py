@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 from hflow.config import ModelConfig, RewardConfig
 from hflow.default_model import build_default
 from hflow.recipe import Rewards
-from hflow.workers.layout import sequence_tensors
+from hflow.layout import sequence_tensors
 from hflow.batch import Batch
 
 

@@ -169,7 +169,7 @@ class RankCall:
 
 def _work(batch: Batch) -> list[int]:
     """Tokens a training pass computes for each row (a shared prompt once: workers.packing)."""
-    from hflow.workers.layout import packed_tokens   # (hflow.workers imports this module)
+    from hflow.workers.micro_batches import packed_tokens   # (hflow.workers imports this module)
     return packed_tokens({k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")
                           if k in batch}).tolist()
 

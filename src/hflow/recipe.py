@@ -17,7 +17,7 @@ from hflow.config import ModelConfig
 from hflow.data import DataConfig, Prompt, load_prompts
 from hflow.rewards import RewardConfig, Scorer
 from hflow.workers import RewardModel, RewardModelConfig
-from hflow.workers.layout import sequence_tensors
+from hflow.layout import sequence_tensors
 
 
 def policy_and_prompts(cluster, model: ModelConfig, data: DataConfig, warm_up: bool = True):

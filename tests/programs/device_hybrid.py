@@ -19,7 +19,7 @@ from hflow.batch import Batch
 from hflow.dispatch import dispatch
 from hflow.workers import Actor, ActorConfig, OptimConfig, Reference, RolloutConfig
 from hflow.workers.fsdp import FSDPConfig
-from hflow.workers.layout import position_ids
+from hflow.layout import position_ids
 
 # Largest |log-prob difference| accepted. fp32: rounding only (measured on CPU: 5e-7, and 0 for
 # the reference). bf16 keeps 8 significant bits (a relative step of 2^-8), so two bf16

@@ -3,7 +3,7 @@ import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 from hflow.workers import Actor, ActorConfig, Reference
-from hflow.workers.layout import position_ids
+from hflow.layout import position_ids
 from test_fsdp import random_rollouts
 torch.set_num_threads(1)
 dist.init_process_group("gloo")

@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 from hflow.batch import Batch
 from hflow.workers import (Actor, ActorConfig, Critic, CriticConfig, OptimConfig, RewardModel,
                            RewardModelConfig)
-from hflow.workers.layout import position_ids
+from hflow.layout import position_ids
 from test_fsdp import random_rollouts
 
 actor_path, critic_path, reward_path, out = sys.argv[1:5]

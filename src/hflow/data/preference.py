@@ -37,7 +37,7 @@ from hflow.data.config import DataError
 from hflow.data.loading import _read_table, _render
 from hflow.data.tasks import task_splits
 from hflow.rewards.arithmetic import arithmetic_score
-from hflow.workers.layout import sequence_tensors
+from hflow.layout import sequence_tensors
 
 logger = logging.getLogger("hflow.data")
 
@@ -236,7 +236,7 @@ def tokenize_pairs(rows: list[dict], tokenizer, cfg: PairDataConfig) -> list[tup
 
 
 def pair_batch(pairs: list[tuple], pad_id: int) -> Batch:
-    """Tokenised pairs in the layout of hflow/workers/layout.py, pair i as rows 2i (chosen) and
+    """Tokenised pairs in the layout of hflow/layout.py, pair i as rows 2i (chosen) and
     2i+1 (rejected), plus `chosen` [2B] (1, 0, 1, 0, ...) and, when every pair has safety
     labels, `safe` [2B] (1.0 safe, 0.0 unsafe)."""
     prompts = [p[0] for p in pairs for _ in range(2)]

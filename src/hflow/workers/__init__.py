@@ -1,6 +1,6 @@
 """FSDP2 workers: the policy, the reference policy, the value model and the reward model.
 
-Batches follow the layout documented in hflow/workers/layout.py.
+Batches follow the layout documented in hflow/layout.py.
 """
 from hflow.workers.actor import Actor, ActorConfig, Reference
 from hflow.workers.base import check_batch_sizes, is_on_policy, rollout_log_probs_exact

@@ -25,7 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
 from hflow.faults import fault_point
-from hflow.workers import layout, packing
+from hflow import layout
+from hflow.workers import packing
+from hflow.workers.log_probs import token_log_probs
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta, is_on_policy
 from hflow.workers.fsdp import build_model
 from hflow.workers.rollout import Rollout, RolloutConfig, prompt_token_lists, rollout_batch
@@ -59,7 +61,7 @@ class Actor(ModelWorker):
         packed = packing.pack(mb)
         out = self.model(**packed.model_inputs(), logits_to_keep=packed.predict_at)
         # squeeze, not [0]: its backward is a view, where select's zero-fills and copies a [K, V] gradient
-        logp, entropy = layout.token_log_probs(out.logits.squeeze(0), packed.targets, temperature, with_entropy)
+        logp, entropy = token_log_probs(out.logits.squeeze(0), packed.targets, temperature, with_entropy)
         return packed.unpack(logp), None if entropy is None else packed.unpack(entropy)
 
     @dispatch("dp", balance=True)
@@ -116,7 +118,7 @@ class Actor(ModelWorker):
         """Sample `rollout.n` responses per prompt with the current weights, resharded into the
         generation engine (tensor-parallel size rollout.tp_size). `prompts` has a `prompt_ids`
         column (token-id lists) or left-padded `input_ids` + `attention_mask`; its other columns
-        are repeated n times. Returns the sequences in the layout of hflow/workers/layout.py plus
+        are repeated n times. Returns the sequences in the layout of hflow/layout.py plus
         `rollout_log_probs` and `finish_reason`, meta n and temperature. `with_greedy` adds a
         greedy response per prompt from the same engine call (see rollout.split_greedy)."""
         if self.rollout is None:

@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow import algos, measure
 from hflow.checkpoint import ModelState, export_hf, load_sharded, save_sharded
 from hflow.dispatch import dispatch
-from hflow.workers import layout
+from hflow import layout
+from hflow.workers import micro_batches
 from hflow.workers.fsdp import (FSDPConfig, OptimConfig, all_reduce_sum, build_optimizer, check_shard_size,
                                clip_grad_norm_, device_of, mixed_precision, reshard)
 
@@ -146,15 +147,15 @@ class ModelWorker:
         token budget, the rows sharing a prompt go together and the prompt counts once, as the
         packed passes compute it (workers/packing.py)."""
         max_tokens = self.cfg.max_tokens_per_micro_batch
-        groups = layout.budget_groups(tensors, max_tokens)
-        tokens = layout.packed_tokens(tensors, groups)
-        count = layout.micro_batch_count(tokens, self.cfg.micro_batch_size, max_tokens,
-                                         row_tokens=tensors["attention_mask"].sum(-1))
+        groups = micro_batches.budget_groups(tensors, max_tokens)
+        tokens = micro_batches.packed_tokens(tensors, groups)
+        count = micro_batches.micro_batch_count(tokens, self.cfg.micro_batch_size, max_tokens,
+                                                row_tokens=tensors["attention_mask"].sum(-1))
         if self.mesh.size() > 1:
             count_t = torch.tensor([count], device=self.device)
             dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
             count = int(count_t)
-        return layout.split_micro_batches(tokens, count, balance=max_tokens > 0, groups=groups)
+        return micro_batches.split_micro_batches(tokens, count, balance=max_tokens > 0, groups=groups)
 
     def to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
@@ -201,7 +202,7 @@ class ModelWorker:
         totals: dict[str, float] = defaultdict(float)
         steps, skipped, lr = 0, 0, 0.0
         for _ in range(epochs):
-            for mini_rows in layout.minibatch_rows(rows, count):
+            for mini_rows in micro_batches.minibatch_rows(rows, count):
                 mini = select(tensors, mini_rows)
                 micro = self.micro_batches(mini)
                 units = [float(mini["response_mask"][r].sum()) if by_tokens else float(len(r)) for r in micro]

@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
-from hflow.workers import layout, packing
+from hflow import layout
+from hflow.workers import packing
 from hflow.workers.actor import Actor
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta
 from hflow.workers.fsdp import OptimConfig, build_model

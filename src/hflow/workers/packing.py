@@ -1,6 +1,6 @@
 """Training passes on real tokens only: the rows of a micro-batch packed into one sequence.
 
-A micro-batch in the layout of layout.py is [b, P + R] with left-padded prompts and
+A micro-batch in the layout of hflow/layout.py is [b, P + R] with left-padded prompts and
 right-padded responses; run as it is, every matmul pays for b * (P + R) positions however
 short most rows are. `pack` concatenates the real tokens of the rows, shortest first, into one
 row of T tokens (positions restart at 0 for each sequence), and the attention function
@@ -35,7 +35,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from hflow.engine.attention import plan_buckets
-from hflow.workers import layout
+from hflow.workers import micro_batches
 
 ATTENTION = "hflow_varlen"
 
@@ -127,7 +127,7 @@ class Packed:
 
 
 def pack(tensors: dict[str, torch.Tensor], overhead: float = BUCKET_OVERHEAD, share_prompts: bool = True) -> Packed:
-    """Pack the real tokens of a micro-batch in the layout of layout.py, shortest row first,
+    """Pack the real tokens of a micro-batch in the layout of hflow/layout.py, shortest row first,
     and cut them into attention buckets (`overhead`: a bucket's fixed cost, see BUCKET_OVERHEAD).
 
     `share_prompts`: rows with the same prompt (the n samples of a prompt) carry its tokens
@@ -146,7 +146,7 @@ def pack(tensors: dict[str, torch.Tensor], overhead: float = BUCKET_OVERHEAD, sh
     all_rows = torch.arange(b, device=mask.device)
     rank = torch.empty_like(order).index_copy_(0, order, all_rows)                # row -> place in packed order
     if share_prompts and b > 1:
-        groups = layout.prompt_groups(tensors)
+        groups = micro_batches.prompt_groups(tensors)
         first = torch.full_like(rank, b).scatter_reduce(0, groups, rank, "amin")  # group -> its leader's place
         leader = order[first[groups]]
     else:

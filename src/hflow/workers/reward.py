@@ -20,7 +20,8 @@ from tyro.conf import Suppress
 
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
-from hflow.workers import layout, packing
+from hflow import layout
+from hflow.workers import packing
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors
 from hflow.workers.fsdp import OptimConfig, build_model
 

@@ -29,7 +29,7 @@ from hflow.engine.sequence import RequestOutput
 from hflow.parallel import make_mesh
 from hflow.faults import fault_point
 from hflow.reshard import generation_mesh, generation_weights
-from hflow.workers import layout
+from hflow import layout
 from hflow.workers.fsdp import device_of, mixed_precision
 
 
@@ -168,7 +168,7 @@ def group_max(value: int, mesh: DeviceMesh) -> int:
 
 def rollout_batch(prompts_batch, prompts: list[list[int]], outputs, n: int, pad_id: int,
                   mesh: DeviceMesh, temperature: float, with_greedy: bool = False):
-    """The engine's outputs as a Batch in the layout of hflow/workers/layout.py, with the
+    """The engine's outputs as a Batch in the layout of hflow/layout.py, with the
     prompts' other columns repeated n times (n + 1 `with_greedy`, which adds the bool column
     `greedy`); widths agree over the mesh so that dp shards concatenate."""
     P = group_max(max(map(len, prompts), default=1), mesh)
