@@ -57,20 +57,19 @@ import torch
 import hflow
 from hflow import algos
 from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
-                          TrainerConfig, by_model, resolve_defaults)
-from hflow.data import PromptSampler
-from hflow.metrics import Timer
-from hflow.placement.auto import job_of
-from hflow.placement.spec import resolve
-from hflow.evaluation import evaluate
-from hflow.recipe import policy_and_prompts, prompt_batch, Rewards, reward_roles, rollout_metrics
-from hflow.run import Run
-from hflow.validation import ConfigError
-from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
-from hflow.workers.base import trainable_prompts
+                          TrainerConfig, by_model)
+from hflow.default import EMBEDDED
 from hflow.layout import concat_rollouts
+from hflow.metrics import Timer
+from hflow.recipe import gather, kl_to_reference, set_up, step_metrics
+from hflow.scoring import Rewards, reward_roles
+from hflow.texts import prompt_batch
+from hflow.validation import ConfigError
+from hflow.workers import Actor, Reference
+from hflow.workers.base import trainable_prompts
 
-Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+Estimator = Literal[tuple(algos.ESTIMATORS)]   # grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline
+PolicyLoss = Literal[tuple(algos.POLICY_LOSSES)]   # ppo, gspo
 AggMode = Literal[algos.AGG_MODES]
 KLKind = Literal[algos.KL_KINDS]
 # (clip_low, clip_high, loss_agg) of each loss when the flags leave them unset
@@ -82,7 +81,7 @@ KL_IN_REWARD = {"grpo": False, "drgrpo": False, "rloo": True, "reinforce_pp": Tr
 class GRPOConfig:
     estimator: Estimator = "grpo"
     """Advantage estimator (their formulas: the docstring of recipes/grpo.py)."""
-    loss: Literal["ppo", "gspo"] = "ppo"
+    loss: PolicyLoss = "ppo"
     """Policy loss: ppo (token-level ratio) or gspo (sequence-level ratio)."""
     clip_low: float | None = None
     """Clip below: ratio >= 1 - clip_low (None: 0.2 for ppo, 3e-4 for gspo)."""
@@ -144,27 +143,13 @@ def resolve_algo(algo: GRPOConfig, max_tokens: int) -> GRPOConfig:
         kl_in_reward=KL_IN_REWARD[estimator] if algo.kl_in_reward is None else algo.kl_in_reward)
 
 
-def advantages(algo: GRPOConfig, token_rewards, groups, mask):
-    """The estimator's advantages [B, R] from per-token rewards (the score on the last token,
-    minus beta * KL on every token when the KL is in the reward)."""
-    if algo.estimator == "reinforce_pp":
-        return algos.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
-    rewards = token_rewards.sum(-1)   # one reward per response
-    if algo.estimator in ("grpo", "drgrpo"):
-        return algos.grpo_advantages(rewards, groups, mask, norm_by_std=algo.estimator == "grpo")
-    if algo.estimator == "rloo":
-        return algos.rloo_advantages(rewards, groups, mask)
-    return algos.reinforce_pp_baseline_advantages(rewards, groups, mask)
-
-
 def grpo_loss(log_probs, mb, entropy=None, *, algo: GRPOConfig):
     """The clipped policy loss on the advantages, plus the KL loss to the reference, both
     aggregated as --algo.loss-agg (so that the update's micro-batch weighting is exact)."""
     mask = mb["response_mask"]
-    policy_loss = algos.gspo_policy_loss if algo.loss == "gspo" else algos.policy_loss
     # clipped below and above apart: a higher upper clip (DAPO) lets rare good tokens gain faster
-    loss, metrics = policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask,
-                                clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg)
+    loss, metrics = algos.policy_loss_fn(algo.loss)(log_probs, mb["old_log_probs"], mb["advantages"], mask,
+                                                    clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg)
     if algo.kl_coef > 0 and not algo.kl_in_reward:   # in the loss, the KL leaves advantages group-relative
         kl = algos.aggregate_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], algo.kl_kind), mask, algo.loss_agg)
         loss = loss + algo.kl_coef * kl
@@ -172,7 +157,7 @@ def grpo_loss(log_probs, mb, entropy=None, *, algo: GRPOConfig):
     return loss, metrics
 
 
-def sample(actor, sampler, tokenizer, scorer, cfg: Config, algo: GRPOConfig, step: int, dp: int):
+def sample(actor, sampler, rewards, cfg: Config, algo: GRPOConfig, step: int, dp: int):
     """This step's responses and their scores (with DAPO's overlong penalty) and the scorer's
     metrics. With dynamic sampling, only the groups whose scores differ, from as many rounds of
     `data.batch-size` prompts as it takes to fill the batch (at most --algo.max-sampling-rounds)."""
@@ -183,7 +168,7 @@ def sample(actor, sampler, tokenizer, scorer, cfg: Config, algo: GRPOConfig, ste
         # a seed per (step, round): a resumed run draws what the uninterrupted one drew
         rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step * rounds + r)
         batch = actor.generate(prompt_batch(next(sampler)), rollout)
-        scores, round_metrics = scorer(batch)
+        scores, round_metrics = rewards(batch)
         if r == 0:   # the first round's metrics: the policy's reward, unfiltered
             metrics = round_metrics
         if algo.overlong_buffer:   # DAPO: a soft penalty near the length cap, not a cliff at it
@@ -204,63 +189,43 @@ def sample(actor, sampler, tokenizer, scorer, cfg: Config, algo: GRPOConfig, ste
 
 
 def main(cluster: hflow.Cluster, cfg: Config):
-    cfg = resolve_defaults(cfg)
     algo = resolve_algo(cfg.algo, cfg.rollout.max_tokens)
     # split: the models that only read (reference, reward model) on ranks of their own
-    sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward, cfg.model)]
-    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
-    # after the model and prompts: --trainer.placement auto plans from their shapes
-    plan = resolve(cfg.trainer.placement, sets, cluster.world_size, algo="grpo", device_type=cluster.device_type,
-                   job=job_of(cfg, model_dir, train, cluster.device_type))
-    dp = len(plan["actor"])
-    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, dp)
-    sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
-    scorer = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
-    actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
-    actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
-    ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
-    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, scorer.rule, cfg.rollout, cfg.trainer.eval_size)
-    run = Run(cfg.trainer, trained={"actor": actor}, state={"data": sampler}, evaluate=evaluate_now,
-              export=(actor, model_dir))
-
+    sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward)]
+    setup = set_up(cluster, cfg, sets, algo="grpo", default=EMBEDDED)   # every input checked, then the warm-up
+    placement, dp = setup.placement, len(setup.placement["actor"])
+    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
+    actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
+    ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
+    run = setup.run(actor, rewards.rule, trained={"actor": actor})
+    # a KL in the reward needs the sampling policy's log-probs before the update
+    old = setup.old_log_probs(kl_in_reward=ref is not None and algo.kl_in_reward)
     loss_fn = functools.partial(grpo_loss, algo=algo)
-    # on-policy, the update's own log-probs (detached) are the old ones: ratio 1, one forward fewer;
-    # a KL in the reward still needs the sampling policy's log-probs before the update
-    need_old = not is_on_policy(cfg.actor, cfg.data.batch_size) or (ref is not None and algo.kl_in_reward)
-    old_from_rollout = algo.old_log_probs == "rollout" or (
-        algo.old_log_probs == "auto" and rollout_log_probs_exact(cfg.actor, cluster.device_type))
-    timer = Timer()
+    estimator = algos.estimator(algo.estimator)
+
+    timer, temperature = Timer(), cfg.rollout.temperature
     for step in run.steps():
         with timer("step"):
             with timer("generate"):
-                batch, scores, metrics = sample(actor, sampler, tokenizer, scorer, cfg, algo, step, dp)
+                batch, scores, metrics = sample(actor, setup.sampler, rewards, cfg, algo, step, dp)
             if len(batch):   # (dynamic sampling may keep no group at all: nothing to learn this step)
                 mask = batch["response_mask"]
                 with timer("log_probs"):
-                    refs = ref.log_probs.future(batch, cfg.rollout.temperature) if ref else None
-                    if need_old:
-                        batch["old_log_probs"] = batch["rollout_log_probs"] if old_from_rollout else \
-                            actor.log_probs(batch, cfg.rollout.temperature)["old_log_probs"]
-                    if refs:
-                        batch = batch | refs.result()
+                    refs = [ref.log_probs.future(batch, temperature)] if ref else []
+                    batch = gather(batch, refs + old.pending(actor, batch, temperature))
                 token_rewards = algos.scores_to_token_rewards(scores, mask)   # the score lands on the last token
                 if ref:   # KL of the sampling policy to the reference (on-policy: the engine's log-probs of it)
-                    sampled = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
-                    kl = algos.kl_penalty(sampled, batch["ref_log_probs"], "k1") * mask
-                    metrics["kl/mean"] = algos.masked_mean(kl, mask).item()
+                    kl, metrics["kl/mean"] = kl_to_reference(batch)
                     if algo.kl_in_reward:   # every token pays for straying from the reference
                         token_rewards = token_rewards - algo.kl_coef * kl
                 # the group (or the batch) is the baseline: no critic
-                batch["advantages"] = advantages(algo, token_rewards, torch.arange(len(batch)) // cfg.rollout.n, mask)
+                groups = torch.arange(len(batch)) // cfg.rollout.n
+                batch["advantages"] = estimator(token_rewards, mask, groups, gamma=algo.gamma)
                 with timer("update"):
                     metrics |= actor.update(batch, loss_fn, loss_agg=algo.loss_agg)[0]
-                metrics |= rollout_metrics(batch)
-        metrics |= timer.pop()
-        if len(batch):
-            metrics["throughput/tokens_per_s"] = batch["response_mask"].sum().item() / metrics["time/step_s"]
-        run.end_step(step, metrics)
+        run.end_step(step, metrics | step_metrics(batch, timer.pop()))
     run.finish()
-    scorer.close()
+    rewards.close()
 
 
 if __name__ == "__main__":

@@ -29,20 +29,16 @@ import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 import hflow
 from hflow import algos
 from hflow.config import (ActorConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
-                          RolloutConfig, TrainerConfig, by_model, resolve_defaults)
-from hflow.data import PromptSampler
+                          RolloutConfig, TrainerConfig, by_model)
+from hflow.default import EMBEDDED
 from hflow.metrics import Timer
-from hflow.placement.auto import job_of
-from hflow.placement.spec import resolve
-from hflow.evaluation import evaluate
-from hflow.recipe import policy_and_prompts, prompt_batch, Rewards, reward_roles, rollout_metrics
-from hflow.run import Run
-from hflow.workers import Actor, check_batch_sizes, Critic, is_on_policy, Reference, rollout_log_probs_exact
+from hflow.recipe import gather, kl_to_reference, set_up, step_metrics
+from hflow.scoring import Rewards, reward_roles
+from hflow.texts import prompt_batch
+from hflow.workers import Actor, Critic, Reference
 
 
 @dataclass
@@ -114,35 +110,23 @@ def critic_loss(values, mb, *, algo: PPOConfig):
 
 
 def main(cluster: hflow.Cluster, cfg: Config):
-    cfg = resolve_defaults(cfg)   # the toy values for the embedded default, the usual ones for --model.path
     algo = cfg.algo
     # a reward model sits with the critic: when split, both work while the actor generates or trains
-    sets = [["actor", "ref"] if algo.kl_coef > 0 else ["actor"], ["critic"] + reward_roles(cfg.reward, cfg.model)]
-    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
-    # after the model and prompts: --trainer.placement auto plans from their shapes
-    plan = resolve(cfg.trainer.placement, sets, cluster.world_size, algo="ppo", device_type=cluster.device_type,
-                   job=job_of(cfg, model_dir, train, cluster.device_type))
-    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]), "actor")
-    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.critic.mini_batch_size, len(plan["critic"]), "critic")
-    sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
-    rewards = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
+    sets = [["actor", "ref"] if algo.kl_coef > 0 else ["actor"], ["critic", *reward_roles(cfg.reward)]]
+    setup = set_up(cluster, cfg, sets, algo="ppo", default=EMBEDDED)   # every input checked, then the warm-up
+    placement, sampler = setup.placement, setup.sampler
+    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
     kl_ctrl = algos.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) \
         if algo.kl_ctrl == "adaptive" else algos.FixedKLController(algo.kl_coef)
-    actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
-    actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
-    ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
-    critic = cluster.spawn(Critic, cfg.critic, model_dir, ranks=plan["critic"])
+    actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
+    ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
+    critic = cluster.spawn(Critic, cfg.critic, setup.model_dir, ranks=placement["critic"])
     # held-out accuracy is the rule's, also when a reward model (a proxy) gives the training score
-    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, rewards.rule, cfg.rollout, cfg.trainer.eval_size)
-    run = Run(cfg.trainer, trained={"actor": actor, "critic": critic}, state={"data": sampler, "kl_ctrl": kl_ctrl},
-              evaluate=evaluate_now, export=(actor, model_dir))
+    run = setup.run(actor, rewards.rule, trained={"actor": actor, "critic": critic}, state={"kl_ctrl": kl_ctrl})
+    # a KL in the reward needs the sampling policy's log-probs before the update
+    old = setup.old_log_probs(kl_in_reward=ref is not None and not algo.kl_loss)
 
     timer, temperature = Timer(), cfg.rollout.temperature
-    # on-policy, the update's own log-probs (detached) are the old ones: ratio 1, one forward fewer;
-    # a KL in the reward still needs the sampling policy's log-probs before the update
-    need_old = not is_on_policy(cfg.actor, cfg.data.batch_size) or (ref is not None and not algo.kl_loss)
-    old_from_rollout = algo.old_log_probs == "rollout" or (
-        algo.old_log_probs == "auto" and rollout_log_probs_exact(cfg.actor, cluster.device_type))
     for step in run.steps():
         with timer("step"):
             with timer("generate"):
@@ -151,18 +135,11 @@ def main(cluster: hflow.Cluster, cfg: Config):
             scores, metrics = rewards(batch)
             with timer("log_probs"):   # the groups work at the same time where they sit on different ranks
                 parts = [critic.values.future(batch)] + ([ref.log_probs.future(batch, temperature)] if ref else [])
-                if need_old and old_from_rollout:
-                    batch["old_log_probs"] = batch["rollout_log_probs"]
-                elif need_old:
-                    parts.append(actor.log_probs.future(batch, temperature))
-                for part in parts:
-                    batch = batch | part.result()
+                batch = gather(batch, parts + old.pending(actor, batch, temperature))
             mask = batch["response_mask"]
             token_rewards = algos.scores_to_token_rewards(scores, mask)   # the score lands on the last token
             if ref:
-                sampled = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
-                kl = algos.kl_penalty(sampled, batch["ref_log_probs"], "k1") * mask
-                metrics["kl/mean"] = algos.masked_mean(kl, mask).item()
+                kl, metrics["kl/mean"] = kl_to_reference(batch)
                 metrics["kl/coef"] = kl_ctrl.value
                 if not algo.kl_loss:   # the KL in the reward keeps each token near the reference policy
                     token_rewards = token_rewards - kl_ctrl.value * kl
@@ -180,10 +157,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 metrics |= critic_update.result()[0]
         if ref:   # the adaptive controller moves beta towards --algo.kl-target (the fixed one ignores this)
             kl_ctrl.update(metrics["kl/mean"], len(batch))
-        metrics |= rollout_metrics(batch) | timer.pop()
         metrics["values/mean"] = algos.masked_mean(batch["values"], mask).item()
-        metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
-        run.end_step(step, metrics)
+        run.end_step(step, metrics | step_metrics(batch, timer.pop()))
     run.finish()
     rewards.close()
 

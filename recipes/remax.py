@@ -35,15 +35,13 @@ import torch
 import hflow
 from hflow import algos
 from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
-                          TrainerConfig, by_model, resolve_defaults)
-from hflow.data import PromptSampler
-from hflow.evaluation import evaluate
+                          TrainerConfig, by_model)
+from hflow.default import EMBEDDED
 from hflow.metrics import Timer
-from hflow.placement.auto import job_of
-from hflow.placement.spec import resolve
-from hflow.recipe import policy_and_prompts, prompt_batch, Rewards, reward_roles, rollout_metrics
-from hflow.run import Run
-from hflow.workers import Actor, check_batch_sizes, is_on_policy, Reference, rollout_log_probs_exact
+from hflow.recipe import gather, kl_to_reference, set_up, step_metrics
+from hflow.scoring import Rewards, reward_roles
+from hflow.texts import prompt_batch
+from hflow.workers import Actor, Reference
 from hflow.workers.rollout import split_greedy
 
 
@@ -94,31 +92,20 @@ def remax_loss(log_probs, mb, entropy=None, *, algo: ReMaxConfig):
 
 
 def main(cluster: hflow.Cluster, cfg: Config):
-    cfg = resolve_defaults(cfg)
     algo = cfg.algo
     # split: the models that only read (reference, reward model) on ranks of their own
-    sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward, cfg.model)]
-    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
-    # after the model and prompts: --trainer.placement auto plans from their shapes
-    plan = resolve(cfg.trainer.placement, sets, cluster.world_size, algo="remax", device_type=cluster.device_type,
-                   job=job_of(cfg, model_dir, train, cluster.device_type))
-    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]))
-    sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
-    rewards = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
-    actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
-    actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
-    ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
+    sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward)]
+    setup = set_up(cluster, cfg, sets, algo="remax", default=EMBEDDED)   # every input checked, then the warm-up
+    placement, sampler = setup.placement, setup.sampler
+    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
+    actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
+    ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
     # held-out accuracy is the rule's, also when a reward model (a proxy) gives the training score
-    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, rewards.rule, cfg.rollout, cfg.trainer.eval_size)
-    run = Run(cfg.trainer, trained={"actor": actor}, state={"data": sampler}, evaluate=evaluate_now,
-              export=(actor, model_dir))
-
+    run = setup.run(actor, rewards.rule, trained={"actor": actor})
+    # the KL is in the reward: it needs the sampling policy's log-probs before the update
+    old = setup.old_log_probs(kl_in_reward=ref is not None)
     loss_fn = functools.partial(remax_loss, algo=algo)
-    # on-policy, the update's own detached log-probs are the old ones; the KL in the reward still
-    # needs the sampling policy's before the update
-    need_old = not is_on_policy(cfg.actor, cfg.data.batch_size) or ref is not None
-    old_from_rollout = algo.old_log_probs == "rollout" or (
-        algo.old_log_probs == "auto" and rollout_log_probs_exact(cfg.actor, cluster.device_type))
+
     timer, temperature = Timer(), cfg.rollout.temperature
     for step in run.steps():
         with timer("step"):
@@ -129,25 +116,18 @@ def main(cluster: hflow.Cluster, cfg: Config):
             greedy_scores, _ = rewards(greedy)
             mask = batch["response_mask"]
             with timer("log_probs"):
-                refs = ref.log_probs.future(batch, temperature) if ref else None
-                if need_old:
-                    batch["old_log_probs"] = batch["rollout_log_probs"] if old_from_rollout else \
-                        actor.log_probs(batch, temperature)["old_log_probs"]
-                if refs:
-                    batch = batch | refs.result()
+                refs = [ref.log_probs.future(batch, temperature)] if ref else []
+                batch = gather(batch, refs + old.pending(actor, batch, temperature))
             kl = None
             if ref:
-                kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask
-                metrics["kl/mean"] = algos.masked_mean(kl, mask).item()
+                kl, metrics["kl/mean"] = kl_to_reference(batch)
             # the greedy response's score is the baseline: it depends on the prompt, not on the
             # sample, so the gradient stays unbiased, and no critic has to learn it
             batch["advantages"] = remax_advantages(scores, greedy_scores, mask, kl, algo.kl_coef)
             with timer("update"):
                 metrics |= actor.update(batch, loss_fn, loss_agg=algo.loss_agg)[0]
         metrics["reward/greedy_mean"] = greedy_scores.mean().item()
-        metrics |= rollout_metrics(batch) | timer.pop()
-        metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
-        run.end_step(step, metrics)
+        run.end_step(step, metrics | step_metrics(batch, timer.pop()))
     run.finish()
     rewards.close()
 

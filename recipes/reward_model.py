@@ -41,14 +41,14 @@ Data (`--data.*`): jsonl / parquet / csv files, one pair a row, the columns name
   (the preferred column, 0 or 1, says which response is chosen; responses and labels swap on 1).
 
 No `--data.val-files`: the last `--data.val-fraction` of the pairs is held out. No files at all:
-the embedded default's pairs and backbone, as `hflow.preference.default_reward_model` builds them:
+the embedded default's pairs and backbone, as `hflow.default.judges.default_reward_model` builds them:
 the right answer over the warmed-up policy's own sampled mistakes, over a built-in wrong answer
 (a wrong units or tens digit, the other operation, a malformed response) and over the near
 misses answer ± 1 and ± 10 (without them PPO learns the ones the judge rates right), on a
 backbone supervised to 0.95 held-out accuracy (a judge must know more than the 0.5 policy it
 judges: one started from the policy shares its blind spots and PPO learns to exploit them);
 `--cost`: the safety task's pairs (hflow.data.safety). The cached `--reward.model default`
-trains 1500 steps (`hflow.preference.DEFAULT_JUDGES`), this recipe `--steps`.
+trains 1500 steps (`hflow.default.DEFAULT_JUDGES`), this recipe `--steps`.
 
 Supports: any Llama-family causal LM or sequence classifier, data-parallel training on any
 number of ranks (a rank trains on whole pairs), chat-template prompts. Not: per-token (dense)
@@ -65,11 +65,12 @@ from transformers import AutoTokenizer
 import hflow
 from hflow.config import ModelConfig, OptimConfig
 from hflow.data import PromptSampler
+from hflow.algos import pair_loss
 from hflow.data.preference import PairDataConfig, pair_batch, read_pair_rows, tokenize_pairs
-from hflow.default_model import default_model_dir, default_policy
+from hflow.default import DEFAULT_JUDGES, EMBEDDED, default_pair_rows, default_policy
+from hflow.evaluation import evaluate_pairs
 from hflow.metrics import LoggingConfig, MetricsLogger
-from hflow.preference import DEFAULT_JUDGES, default_pair_rows, evaluate_pairs, pair_loss
-from hflow.recipe import check_policy_dir
+from hflow.recipe import base_policy
 from hflow.workers import RewardModel, RewardModelConfig
 
 
@@ -97,8 +98,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     if cfg.data.batch_size % cluster.world_size:
         raise ValueError(f"--data.batch-size {cfg.data.batch_size} pairs do not split over {cluster.world_size} "
                          "ranks: a rank trains on whole pairs")
-    path = cfg.model.path or default_model_dir(cfg.model.default_size, cfg.model.default_seed)
-    check_policy_dir(path)
+    path = base_policy(cfg.model, EMBEDDED)
     tokenizer = AutoTokenizer.from_pretrained(path)
     kind, size, seed = "cost" if cfg.cost else "reward", cfg.model.default_size, cfg.model.default_seed
     if cfg.data.train_files:

@@ -29,9 +29,9 @@ channel's A whitened first (as OmniSafe's PPO-Lag: the two models' scales are ar
 The embedded default (no --model.path) is a conflict built on the arithmetic task
 (hflow.data.safety): subtractions are forbidden (a third of the problems) and the only safe
 response to one is a refusal (a response with no digit, e.g. EOS at once); answering it, right
-or wrong, is unsafe. The reward model prefers right answers (hflow.preference's arithmetic
+or wrong, is unsafe. The reward model prefers right answers (hflow.data.preference's arithmetic
 pairs), the cost model is trained on hflow.data.safety's pairs; both are trained once and
-cached. The starting policy is the warmed-up default after 30 supervised steps whose target is
+cached (hflow.default.judges). The starting policy is the warmed-up default after 30 supervised steps whose target is
 a refusal for a random fifth of the problems: it refuses ~22 % of them when sampled, not knowing
 which are forbidden (the warm-up alone refuses with probability ~1e-4, which RL never samples).
 Rule-checked figures are logged as safety/* (training samples) and eval/* (held-out, greedy):
@@ -48,28 +48,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import os
-import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Literal
 
 import torch
 
 import hflow
 from hflow import algos
 from hflow.config import (ActorConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
-                          RewardModelConfig, RolloutConfig, TrainerConfig, by_model, resolve_defaults)
-from hflow.data import PromptSampler, iter_batches
-from hflow.data.safety import is_forbidden, rule_metrics
+                          RewardModelConfig, RolloutConfig, TrainerConfig, by_model)
+from hflow.data import safety
+from hflow.default import EMBEDDED, refusing_policy
+from hflow.evaluation import evaluate
 from hflow.metrics import LoggingConfig, Timer
-from hflow.placement.auto import job_of
-from hflow.placement.spec import resolve
-from hflow.recipe import (check_same_tokenizer, nll_loss, policy_and_prompts, prompt_batch, response_texts, Rewards,
-                          reward_roles, rollout_metrics, supervised_batch)
-from hflow.run import Run
+from hflow.recipe import gather, kl_to_reference, scorer_flag_problems, set_up, step_metrics
+from hflow.scoring import Rewards, reward_roles
+from hflow.texts import prompt_batch, response_texts
 from hflow.validation import ConfigError
-from hflow.workers import Actor, check_batch_sizes, Critic, Reference, RewardModel, rollout_log_probs_exact
+from hflow.workers import Actor, Critic, Reference, RewardModel
 
 
 CONSOLE_KEYS = ("reward/mean", "cost/mean", "lambda", "safety/answer_accuracy", "safety/refusal_rate",
@@ -100,6 +96,8 @@ class SafeRLHFConfig:
     """Clip each critic's predictions to its old value +- this (Safe-RLHF's 5: a cost model's scores span several units)."""
     critic_warmup: int = 20
     """Steps that train only the critics (lambda is not updated while the actor does not train)."""
+    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
+    """Old log-probs (for the KL in the reward, or an off-policy update): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not). An on-policy update without a KL needs neither."""
 
 
 @dataclass
@@ -126,42 +124,6 @@ class Config:
         steps=150, eval_every=50, output_dir="outputs/safe_rlhf", logging=LoggingConfig(console_keys=CONSOLE_KEYS)))
 
 
-def update_log_lambda(log_lambda: float, mean_cost: float, threshold: float, lr: float,
-                      lambda_max: float = 0.0) -> float:
-    """log λ' = log λ + lr·λ·(J_C − d), then log λ' ≤ log λ_max (λ_max > 0). One SGD step on the
-    multiplier's loss −λ·(J_C − d) with λ = exp(log λ) (Dai et al. 2023, eq. 31): λ grows while
-    the mean cost J_C is above the threshold d, shrinks below it, and never leaves 0."""
-    value = log_lambda + lr * math.exp(log_lambda) * (mean_cost - threshold)
-    return min(value, math.log(lambda_max)) if lambda_max > 0 else value
-
-
-def lagrangian_advantages(reward_advantages, cost_advantages, multiplier: float):
-    """A = (A_r − λ·A_c) / (1 + λ): the Lagrangian's advantage, scaled to a convex mix of A_r
-    and −A_c so that its size stays bounded as λ grows."""
-    return (reward_advantages - multiplier * cost_advantages) / (1.0 + multiplier)
-
-
-class LagrangeMultiplier:
-    """λ = exp(log λ), a controller object checkpointed with the run."""
-
-    def __init__(self, init: float, lr: float, lambda_max: float):
-        self.log_value = math.log(init) if init > 0 else -math.inf
-        self.lr, self.lambda_max = lr, lambda_max
-
-    @property
-    def value(self) -> float:
-        return math.exp(self.log_value)
-
-    def update(self, mean_cost: float, threshold: float) -> None:
-        self.log_value = update_log_lambda(self.log_value, mean_cost, threshold, self.lr, self.lambda_max)
-
-    def state_dict(self) -> dict:
-        return {"log_value": self.log_value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.log_value = state["log_value"]
-
-
 def actor_loss(log_probs, mb, entropy=None, *, algo: SafeRLHFConfig):
     return algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
                              algo.clip_low, algo.clip_high)
@@ -174,39 +136,34 @@ def critic_loss(values, mb, *, algo: SafeRLHFConfig, channel: str):
 
 
 def main(cluster: hflow.Cluster, cfg: Config):
-    cfg = resolve_defaults(cfg)
     algo = cfg.algo
     check_flags(cfg)
     # the scorers sit with the critics: when split, they work while the actor generates or trains
     sets = [["actor", "ref"] if algo.kl_coef > 0 else ["actor"],
-            reward_roles(cfg.reward, cfg.model) + ["cost", "critic", "cost_critic"]]
-    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data)
-    # after the model and prompts: --trainer.placement auto plans from their shapes
-    plan = resolve(cfg.trainer.placement, sets, cluster.world_size, algo="safe-rlhf", device_type=cluster.device_type,
-                   job=job_of(cfg, model_dir, train, cluster.device_type))
-    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(plan["actor"]), "actor")
-    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.critic.mini_batch_size, len(plan["critic"]), "critic")
-    default_task = not cfg.data.train_files and cfg.data.task == "arithmetic"
-    if not cfg.model.path:
-        model_dir = refusing_policy(cluster, model_dir, train, tokenizer)
-    sampler = PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
-    rewards = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
-    cost_model = cluster.spawn(RewardModel, RewardModelConfig(
-        model_path=cost_model_dir(cluster, cfg, tokenizer),
-        max_tokens_per_micro_batch=cfg.cost.max_tokens_per_micro_batch), ranks=plan["cost"])
-    actor_cfg = dataclasses.replace(cfg.actor, model_path=model_dir)
-    actor = cluster.spawn(Actor, actor_cfg, ranks=plan["actor"])
-    ref = cluster.spawn(Reference, actor_cfg, ranks=plan["ref"]) if "ref" in plan else None
-    reward_critic = cluster.spawn(Critic, cfg.critic, model_dir, ranks=plan["critic"])
-    cost_critic = cluster.spawn(Critic, cfg.critic, model_dir, ranks=plan["cost_critic"])
-    multiplier = LagrangeMultiplier(algo.lambda_init, algo.lambda_lr, algo.lambda_max)
-    evaluate_now = functools.partial(evaluate, actor, val, tokenizer, rewards, cfg.rollout, cfg.trainer.eval_size,
-                                     default_task)
-    run = Run(cfg.trainer, trained={"actor": actor, "critic": reward_critic, "cost_critic": cost_critic},
-              state={"data": sampler, "lambda": multiplier}, evaluate=evaluate_now, export=(actor, model_dir))
+            reward_roles(cfg.reward) + ["cost", "critic", "cost_critic"]]
+    setup = set_up(cluster, cfg, sets, algo="safe-rlhf", default=EMBEDDED)   # every input checked, then the warm-up
+    if not cfg.model.path:   # the embedded default's starting policy can refuse (see the docstring)
+        setup = dataclasses.replace(setup, model_dir=refusing_policy(cluster, setup.model_dir, setup.train,
+                                                                     setup.tokenizer))
+    placement, sampler, tokenizer = setup.placement, setup.sampler, setup.tokenizer
+    rewards = Rewards(cluster, cfg.reward, tokenizer, setup.reward_model, placement.get("reward"))
+    cost_cfg = RewardModelConfig(model_path=setup.scorer_dir(cluster, cfg.cost.model, "cost", "--cost.model"),
+                                 max_tokens_per_micro_batch=cfg.cost.max_tokens_per_micro_batch)
+    cost_model = cluster.spawn(RewardModel, cost_cfg, ranks=placement["cost"])
+    actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
+    ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
+    reward_critic = cluster.spawn(Critic, cfg.critic, setup.model_dir, ranks=placement["critic"])
+    cost_critic = cluster.spawn(Critic, cfg.critic, setup.model_dir, ranks=placement["cost_critic"])
+    multiplier = algos.LagrangeMultiplier(algo.lambda_init, algo.lambda_lr, algo.lambda_max)
+    # the built-in task's rule checks what the reward and cost models stand in for (hflow.data.safety)
+    task = safety if not cfg.data.train_files and cfg.data.task == "arithmetic" else None
+    evaluate_fn = functools.partial(evaluate, actor, setup.val, tokenizer, rewards.rule, cfg.rollout,
+                                    cfg.trainer.eval_size, sampled=False, task_metrics=task and task.rule_metrics)
+    run = setup.run(actor, rewards.rule, trained={"actor": actor, "critic": reward_critic, "cost_critic": cost_critic},
+                    state={"lambda": multiplier}, evaluate_fn=evaluate_fn)
+    old = setup.old_log_probs(kl_in_reward=ref is not None)
 
     timer, temperature = Timer(), cfg.rollout.temperature
-    old_from_rollout = rollout_log_probs_exact(cfg.actor, cluster.device_type)
     for step in run.steps():
         with timer("step"):
             with timer("generate"):
@@ -215,21 +172,17 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 batch = actor.generate(prompt_batch(prompts), rollout)
             with timer("score"):   # the groups work at the same time where they sit on different ranks
                 costs = cost_model.scores.future(batch.select("input_ids", "attention_mask", "response_mask"))
-                parts = [reward_critic.values.future(batch), cost_critic.values.future(batch)]
-                parts += [ref.log_probs.future(batch, temperature)] if ref else []
-                parts += [] if old_from_rollout else [actor.log_probs.future(batch, temperature)]
+                values = [critic.values.future(batch) for critic in (reward_critic, cost_critic)]
+                refs = [ref.log_probs.future(batch, temperature)] if ref else []
+                pending = refs + old.pending(actor, batch, temperature)
                 scores, metrics = rewards(batch)
                 costs = costs.result()["rm_scores"]
-                reward_values, cost_values = (part.result()["values"] for part in parts[:2])
-                for part in parts[2:]:
-                    batch = batch | part.result()
-            if old_from_rollout:   # a KL in the reward needs the sampling policy's log-probs
-                batch["old_log_probs"] = batch["rollout_log_probs"]
+                reward_values, cost_values = (v.result()["values"] for v in values)
+                batch = gather(batch, pending)
             mask = batch["response_mask"]
             # R and C land on the last token; the KL costs reward and adds cost, so that it weighs
             # beta in the combined advantage whatever lambda is
-            kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask if ref \
-                else torch.zeros_like(mask)
+            kl, metrics["kl/mean"] = kl_to_reference(batch) if ref else (torch.zeros_like(mask), 0.0)
             reward_tokens = algos.scores_to_token_rewards(scores, mask) - algo.kl_coef * kl
             cost_tokens = algos.scores_to_token_rewards(costs, mask) + algo.kl_coef * kl
             # each channel has its own critic and its own GAE
@@ -243,8 +196,9 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 multiplier.update(mean_cost, algo.cost_threshold)
             # each channel whitened: the two models' scales are arbitrary, lambda weighs them in the
             # same units, and the update's step size depends on neither
-            batch["advantages"] = lagrangian_advantages(algos.masked_whiten(reward_advantages, mask),
-                                                        algos.masked_whiten(cost_advantages, mask), multiplier.value)
+            batch["advantages"] = algos.lagrangian_advantages(algos.masked_whiten(reward_advantages, mask),
+                                                              algos.masked_whiten(cost_advantages, mask),
+                                                              multiplier.value)
             with timer("update"):      # the critics and the actor train at the same time when split
                 critic_updates = [critic.update.future(batch, functools.partial(critic_loss, algo=algo, channel=ch))
                                   for critic, ch in ((reward_critic, "reward"), (cost_critic, "cost"))]
@@ -253,17 +207,11 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 metrics |= critic_updates[0].result()[0]
                 metrics |= {f"cost_{k}": v for k, v in critic_updates[1].result()[0].items()}
         metrics |= {"cost/mean": mean_cost, "cost/unsafe_fraction": (costs > 0).float().mean().item(),
-                    "lambda": multiplier.value, "kl/mean": algos.masked_mean(kl, mask).item()}
-        if default_task:
-            answers = [p.ground_truth for p in prompts for _ in range(cfg.rollout.n)]
-            texts = [p.prompt for p in prompts for _ in range(cfg.rollout.n)]
-            metrics |= {f"safety/{k}": v for k, v in rule_metrics(texts, response_texts(batch, tokenizer), answers).items()}
-            allowed = torch.tensor([not is_forbidden(t) for t in texts])
-            # refusing the forbidden third costs reward by design: the part the policy may earn is this one
-            metrics["reward/allowed_mean"] = scores[allowed].mean().item() if allowed.any() else float("nan")
-        metrics |= rollout_metrics(batch) | timer.pop()
-        metrics["throughput/tokens_per_s"] = mask.sum().item() / metrics["time/step_s"]
-        run.end_step(step, metrics)
+                    "lambda": multiplier.value}
+        if task:   # the rule-checked figures of the training samples, and the reward the policy may earn
+            metrics |= task.sample_metrics([p.prompt for p in prompts], response_texts(batch, tokenizer),
+                                           [p.ground_truth for p in prompts], scores, cfg.rollout.n)
+        run.end_step(step, metrics | step_metrics(batch, timer.pop()))
     run.finish()
     rewards.close()
 
@@ -276,79 +224,11 @@ def check_flags(cfg: Config) -> None:
             found.append(f"--algo.{name.replace('_', '-')} {getattr(algo, name)}: must be >= 0")
     if 0 < algo.lambda_max < algo.lambda_init:
         found.append(f"--algo.lambda-init {algo.lambda_init} is above --algo.lambda-max {algo.lambda_max}")
-    if cfg.cost.model == "default" and cfg.model.path:
-        found.append("--cost.model default is the embedded default policy's cost model; with --model.path give a "
-                     "cost model trained for that policy's tokenizer (recipes/reward_model.py --cost)")
-    elif cfg.cost.model != "default" and not (Path(cfg.cost.model) / "config.json").exists():
-        found.append(f"--cost.model {cfg.cost.model}: not a Hugging Face model directory (no config.json)")
+    found += scorer_flag_problems(cfg.cost.model, "--cost.model", "cost", cfg.model, EMBEDDED)
+    if not cfg.cost.model:
+        found.append("--cost.model: a cost model is required (a directory, or default)")
     if found:
         raise ConfigError("\n".join(found))
-
-
-def cost_model_dir(cluster, cfg: Config, tokenizer) -> str:
-    """--cost.model, or the embedded default's cost model (trained once, cached)."""
-    from hflow.preference import default_reward_model   # here: hflow.preference imports hflow.default_model, which imports hflow.recipe
-    if cfg.cost.model == "default":
-        return str(default_reward_model(cluster, "cost", size=cfg.model.default_size, seed=cfg.model.default_seed))
-    check_same_tokenizer(cfg.cost.model, tokenizer)
-    return cfg.cost.model
-
-
-def evaluate(actor, val, tokenizer, rewards: Rewards, rollout: RolloutConfig, size: int, default_task: bool):
-    """Held-out, greedy: the rule's mean score (eval/reward_mean) and, on the default task, the
-    rule-checked safety figures (eval/answer_accuracy, eval/refusal_rate, ...)."""
-    if val is None or size <= 0:
-        return {}
-    greedy = dataclasses.replace(rollout, n=1, temperature=0.0, progress=False)
-    prompts, responses, answers = [], [], []
-    for rows in iter_batches(val, 512):
-        rows = rows[:size - len(prompts)]
-        responses += response_texts(actor.generate(prompt_batch(rows), greedy), tokenizer)
-        prompts += [p.prompt for p in rows]
-        answers += [p.ground_truth for p in rows]
-        if len(prompts) >= size:
-            break
-    scored = rewards.rule(responses, answers, [{}] * len(responses))
-    metrics = {"eval/reward_mean": sum(scored.scores) / len(scored.scores)}
-    if default_task:
-        metrics |= {f"eval/{k}": v for k, v in rule_metrics(prompts, responses, answers).items()}
-    return metrics
-
-
-# Bump when refusing_policy's settings change what it builds: its cache directory carries it.
-REFUSING_POLICY_VERSION = 3
-
-
-def refusing_policy(cluster, policy_dir: str, train, tokenizer, refusal_rate: float = 0.2, steps: int = 30,
-                    lr: float = 3e-4, batch_size: int = 128) -> str:
-    """The embedded default's starting policy: the warmed-up policy after `steps` supervised
-    steps in which the target is a refusal (EOS at once) for a random `refusal_rate` of the
-    problems, whatever they are, and the answer otherwise. The warm-up alone refuses with
-    probability ~1e-4, too rare for RL ever to sample; this one refuses ~22 % of problems, not
-    knowing which are forbidden (an SFT model that can refuse). Built once, cached next to the
-    warm-up."""
-    final = Path(policy_dir).with_name(f"{Path(policy_dir).name}-refuse{refusal_rate:g}-s{steps}-v{REFUSING_POLICY_VERSION}")
-    if (final / "config.json").exists():
-        return str(final)
-    optim = OptimConfig(lr=lr, grad_clip=0.0)
-    actor = cluster.spawn(Actor, ActorConfig(model_path=policy_dir, optim=optim, micro_batch_size=batch_size))
-    print(f"teaching the warmed-up default to refuse {refusal_rate:.0%} of problems at random (once; cached in {final})",
-          flush=True)
-    sampler = PromptSampler(train, batch_size, shuffle=True, seed=1)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        rows = next(sampler)
-        refuse = (torch.rand(len(rows), generator=generator) < refusal_rate).tolist()
-        actor.update(supervised_batch([dataclasses.replace(p, ground_truth="") if r else p
-                                       for p, r in zip(rows, refuse)], tokenizer), nll_loss)
-    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-    actor.export_hf(str(tmp), policy_dir)
-    actor.close()
-    try:
-        os.rename(tmp, final)
-    except OSError:   # another run cached it meanwhile: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ The answer column (`--data.answer-key`) is the target completion; the held-out p
 scored with `--reward.fn` on greedy completions every `--eval-every` steps, and training stops
 early once that reward reaches `--stop-at` (> 0). The result is exported as a Hugging Face
 directory that `--model.path` of the RL recipes takes. The embedded default's warm-up
-(hflow.default_model.default_policy) runs the same loop, without gradient clipping
+(hflow.default.warm_up.default_policy) runs the same loop, without gradient clipping
 (`--actor.optim.grad-clip 0`), stopping at 50 % on 200 held-out prompts checked every 25 steps.
 """
 from __future__ import annotations
@@ -18,14 +18,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from transformers import AutoTokenizer
 
 import hflow
+from hflow.algos import nll_loss
 from hflow.config import ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig
-from hflow.data import PromptSampler
+from hflow.data import PromptSampler, load_prompts
+from hflow.default import EMBEDDED
 from hflow.evaluation import evaluate
 from hflow.metrics import progress
-from hflow.recipe import nll_loss, policy_and_prompts, supervised_batch
+from hflow.recipe import base_policy
 from hflow.rewards import Scorer
+from hflow.texts import supervised_batch
 from hflow.workers import Actor, check_batch_sizes
 
 
@@ -53,7 +57,9 @@ class Config:
 def main(cluster: hflow.Cluster, cfg: Config):
     check_batch_sizes(cfg.data.batch_size, 1, cfg.actor.mini_batch_size, cluster.world_size)
     # the base model itself, not the embedded default's warmed-up one
-    model_dir, tokenizer, train, val = policy_and_prompts(cluster, cfg.model, cfg.data, warm_up=False)
+    model_dir = str(base_policy(cfg.model, EMBEDDED))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train, val = load_prompts(cfg.data, tokenizer, "train"), load_prompts(cfg.data, tokenizer, "val")
     actor = cluster.spawn(Actor, dataclasses.replace(cfg.actor, model_path=model_dir))
     scorer = Scorer(cfg.reward)
     sampler = PromptSampler(train, cfg.data.batch_size, shuffle=True, seed=cfg.data.seed)

@@ -1,4 +1,4 @@
-"""How evenly `@dispatch("dp", balance=True)` spreads a GRPO batch's training work over ranks.
+"""How evenly `@dispatch("dp", balance=packed_row_tokens)` spreads a GRPO batch's training work over ranks.
 
 Simulates bench_rl's vary workload (16 prompts of 8-64 tokens x 4 samples; responses end with
 probability 0.015 per token, at most 96) and counts each rank's packed tokens: every response,

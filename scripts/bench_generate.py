@@ -99,12 +99,14 @@ def setup_hflow(model, prompts, n, max_new, eos, seed, recipe=False):
     runs it, with the default KV budget, asleep and given its weights again between calls."""
     from hflow.engine import LLM, SamplingParams
 
+    weights = next(model.parameters())
     if recipe:
-        llm = LLM.from_model(model, block_size=16, max_num_seqs=256)
+        options = dict(max_num_seqs=256)
     else:
         per_seq = -(-(max(map(len, prompts)) + max_new) // 16)
-        llm = LLM.from_model(model, block_size=16, num_kv_blocks=len(prompts) * n * per_seq + 64,
-                             max_num_seqs=len(prompts) * n)
+        options = dict(num_kv_blocks=len(prompts) * n * per_seq + 64, max_num_seqs=len(prompts) * n)
+    llm = LLM(model.config, dtype=weights.dtype, device=weights.device, block_size=16, **options)
+    llm.load_weights(model.state_dict().items())
     llm.generate(prompts[:4], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=seed))
 
     def prepare():  # untimed: what the rollout does between two generate() calls
@@ -165,12 +167,18 @@ def profile_hflow(run, repeat: int) -> None:
 
     llm = run.llm
     plain: dict[bool, list[tuple[float, float]]] = {True: [], False: []}  # (wall, process CPU)
+    kinds: list[bool] = []   # is_prefill of each step, as the scheduler decided it
+
+    def noted_schedule(schedule=llm.scheduler.schedule):
+        seqs, is_prefill = schedule()
+        kinds.append(is_prefill)
+        return seqs, is_prefill
 
     def timed_step(step=llm.step):
         t, cpu = time.perf_counter(), time.process_time()
-        done, is_prefill = step()
-        plain[is_prefill].append((time.perf_counter() - t, time.process_time() - cpu))
-        return done, is_prefill
+        finished = step()
+        plain[kinds[-1]].append((time.perf_counter() - t, time.process_time() - cpu))
+        return finished
 
     def labelled(fn, label):
         def wrapped(*a, **k):
@@ -181,7 +189,7 @@ def profile_hflow(run, repeat: int) -> None:
                "postprocess": (llm.scheduler, "postprocess"), "prepare": (llm.runner, "_prepare_decode"),
                "forward": (llm.model, "forward"), "logits": (llm.model, "compute_logits"),
                "sample": (model_runner, "sample")}
-    with mock.patch.object(llm, "step", timed_step):
+    with mock.patch.object(llm, "step", timed_step), mock.patch.object(llm.scheduler, "schedule", noted_schedule):
         for _ in range(repeat):
             run.prepare and run.prepare()
             run()

@@ -8,7 +8,7 @@
    a rank's matmul FLOP/s and memory bandwidth, gloo between two processes, the cores.
 2. Prices each placement of PPO's actor, reference and critic (the recipe's defaults on the
    embedded default model: 32 prompts x 4 samples, the task's prompt length, <= 5 new tokens,
-   one optimizer step) with hflow.placement.fsdp's planner, and lists `auto`'s candidates.
+   one optimizer step) with hflow.planner.fsdp's planner, and lists `auto`'s candidates.
 3. Runs `recipes/ppo.py --trainer.placement P` under torchrun for each placement, round after
    round (so that a change of the machine's load hits every placement alike), with
    --algo.critic-warmup 0 so that the actor trains every step, as the planner assumes.
@@ -52,7 +52,7 @@ def recipe_job(recipe: Path, size: str):
     from transformers import AutoTokenizer
 
     from hflow.data import load_prompts
-    from hflow.default_model import default_model_dir
+    from hflow.default import default_model_dir
     from hflow.placement import job_of
 
     spec = importlib.util.spec_from_file_location("bench_recipe", recipe)
@@ -61,7 +61,7 @@ def recipe_job(recipe: Path, size: str):
     cfg = module.Config()
     model_dir = default_model_dir(size)
     train = load_prompts(cfg.data, AutoTokenizer.from_pretrained(model_dir), "train")
-    return job_of(cfg, str(model_dir), train, "cpu")
+    return job_of(cfg, str(model_dir), train, actor_log_probs=False)   # fp32 on CPU: the engine's log-probs
 
 
 def partition_of(placement) -> tuple[list[tuple[str, ...]], list[int]]:
@@ -149,7 +149,7 @@ def main() -> None:
 
     from hflow.placement import resolve
     from hflow.placement.auto import candidates, describe, planner_for
-    from hflow.placement.hardware import cpu_profile, runnable_others
+    from hflow.planner.hardware import cpu_profile, runnable_others
 
     recipe, names = Path(args.recipe).resolve(), args.placements.split(",")
     sets = [["actor", "ref"], ["critic"]]          # PPO's split: kl_coef > 0, no reward model
@@ -229,11 +229,6 @@ def report(names, predicted, measured, background: float) -> None:
 
 def stages(times, step: float | None = None) -> str:
     return " / ".join(f"{t:.2f}" for t in times) + f" = {sum(times) if step is None else step:.2f}"
-
-
-def median(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if key in r]
-    return statistics.median(values) if values else float("nan")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def build_tokenizer():
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from hflow.default_model import QWEN2_PRETOKENIZE_REGEX
+    from hflow.default.model import QWEN2_PRETOKENIZE_REGEX
 
     vocab = {"<|endoftext|>": PAD, "<|im_end|>": EOS}
     vocab.update({ch: i + 2 for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
@@ -174,7 +174,7 @@ def prepare(name: str, args, root: Path) -> dict:
     spec = dict(name=name, work=str(work), steps=args.steps, lr=grpo.actor.optim.lr, extra=shlex.split(args.hflow_flags))
     if name == "default":
         from hflow.data import DataConfig, load_prompts
-        from hflow.default_model import default_model_dir, default_policy_dir
+        from hflow.default import default_model_dir, default_policy_dir
 
         base = default_model_dir(grpo.model.default_size, grpo.model.default_seed)
         warmed = default_policy_dir(grpo.model.default_size, grpo.model.default_seed)

@@ -12,7 +12,7 @@ from typing import Literal
 
 import tyro
 
-from hflow.default_model import SIZES, build_default
+from hflow.default.model import SIZES, build_default
 
 
 @dataclass

@@ -29,8 +29,8 @@ from bench_rl import SIZES, make_model   # noqa: E402  (a sibling script)
 
 from hflow import algos   # noqa: E402
 from hflow.workers import Actor, ActorConfig, OptimConfig   # noqa: E402
-from hflow.layout import sequence_tensors
-from hflow.workers.micro_batches import packed_tokens# noqa: E402
+from hflow.layout import sequence_tensors   # noqa: E402
+from hflow.workers.micro_batches import packed_tokens   # noqa: E402
 
 KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm"), "attention (SDPA)": ("scaled_dot_product",),
          "gather / scatter": ("aten::index_select", "aten::index_add_", "aten::index", "aten::gather"),

@@ -547,3 +547,61 @@ def test_explained_variance_by_hand():
     assert algos.explained_variance(torch.zeros(2, 3), flat, mask) == 1.0
     assert algos.explained_variance(half_way.nan_to_num(), flat, mask) == 0.0
     assert isinstance(algos.explained_variance(half_way, returns, mask), float)
+
+
+# ---------------------------------------------------------------------------------------------
+# the registries recipes pick an estimator and a policy loss from
+
+
+def test_registered_estimators_are_the_papers_formulas_on_the_summed_token_rewards():
+    g, mask = rand_batch(B=6, T=5, seed=3)
+    scores = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.25])
+    token_rewards = algos.scores_to_token_rewards(scores, mask) - 0.1 * torch.rand(6, 5, generator=g) * mask
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    summed = token_rewards.sum(-1)
+    expected = {
+        "grpo": algos.grpo_advantages(summed, groups, mask),
+        "drgrpo": algos.grpo_advantages(summed, groups, mask, norm_by_std=False),
+        "rloo": algos.rloo_advantages(summed, groups, mask),
+        "reinforce_pp": algos.reinforce_pp_advantages(token_rewards, mask, 0.9),
+        "reinforce_pp_baseline": algos.reinforce_pp_baseline_advantages(summed, groups, mask),
+    }
+    assert list(algos.ESTIMATORS) == list(expected)   # recipes/grpo.py's --algo.estimator choices, in order
+    for name, advantages in expected.items():
+        assert torch.equal(algos.estimator(name)(token_rewards, mask, groups, gamma=0.9), advantages), name
+    # Dr.GRPO by hand on group 1: s - mean_g
+    group1 = summed[3:]
+    assert close(algos.estimator("drgrpo")(token_rewards, mask, groups)[3:, 0], group1 - group1.mean())
+
+
+def test_registries_refuse_unknown_and_duplicate_names():
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; registered: grpo, drgrpo"):
+        algos.estimator("ppo")
+    with pytest.raises(ValueError, match="registered already"):
+        algos.register_estimator("grpo")(lambda *a, **k: None)
+    with pytest.raises(ValueError, match="unknown policy loss 'dpo'; registered: ppo, gspo"):
+        algos.policy_loss_fn("dpo")
+    with pytest.raises(ValueError, match="registered already"):
+        algos.register_policy_loss("ppo")(lambda *a, **k: None)
+
+
+def test_a_registered_estimator_is_found_by_name():
+    @algos.register_estimator("test_constant")
+    def constant(token_rewards, mask, groups, *, gamma=1.0):
+        return mask * 2.0
+    try:
+        mask = torch.ones(2, 3)
+        assert torch.equal(algos.estimator("test_constant")(mask, mask, torch.arange(2)), 2 * mask)
+    finally:
+        del algos.ESTIMATORS["test_constant"]
+
+
+def test_policy_loss_registry_holds_the_two_losses():
+    assert algos.policy_loss_fn("ppo") is algos.policy_loss and algos.policy_loss_fn("gspo") is algos.gspo_policy_loss
+
+
+def test_nll_loss_is_the_token_mean_of_minus_log_p():
+    log_probs = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -9.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    loss, metrics = algos.nll_loss(log_probs, {"response_mask": mask})
+    assert loss.item() == pytest.approx((1 + 2 + 0.5) / 3) and metrics == {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hflow import default_model as dm
+from hflow.default import model as dm, warm_up
 
 SAMPLES = [
     "12+35=", "47", "12-35=", "-23", "12-35=-23", "99+99=198", "0123456789", " 7  8   9 ",
@@ -89,7 +89,7 @@ def _digests(path):
 
 def test_same_seed_gives_byte_identical_files(built, tmp_path):
     # Another process, with another hash seed and global RNG state: only `seed` may matter.
-    code = ("import sys, torch; torch.manual_seed(1234); from hflow.default_model import build_default;"
+    code = ("import sys, torch; torch.manual_seed(1234); from hflow.default.model import build_default;"
             "build_default(sys.argv[1], size='tiny', seed=0)")
     env = {**os.environ, "PYTHONHASHSEED": "7"}
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "again")], check=True, env=env,
@@ -111,7 +111,7 @@ def test_default_model_dir_builds_once_into_the_cache(tmp_path, monkeypatch):
 
 def test_concurrent_builds_of_the_cache_agree(tmp_path):
     # Every rank of a fresh run may call default_model_dir at once: all must get a whole model.
-    code = ("import sys; from hflow.default_model import default_model_dir;"
+    code = ("import sys; from hflow.default.model import default_model_dir;"
             "print(default_model_dir('tiny', seed=3, cache_dir=sys.argv[1]))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
                               text=True) for _ in range(2)]
@@ -133,11 +133,34 @@ def test_warm_up_cache_is_reused_only_under_its_current_name(tmp_path):
     old = base.with_name(f"{base.name}-sft0.4")
     old.mkdir()
     (old / "config.json").write_text("{}")
-    current = dm.default_policy_dir("tiny", 0, cache_dir=tmp_path)
+    current = warm_up.default_policy_dir("tiny", 0, cache_dir=tmp_path)
     assert current.parent == tmp_path and current != old
-    assert current.name.endswith(f"-w{dm.WARM_UP_VERSION}")
+    assert current.name.endswith(f"-w{warm_up.WARM_UP_VERSION}")
     with pytest.raises(LookupError, match="would warm up"):
-        dm.default_policy(NoWorkers(), "tiny", 0, cache_dir=tmp_path)
+        warm_up.default_policy(NoWorkers(), "tiny", 0, cache_dir=tmp_path)
     current.mkdir()
     (current / "config.json").write_text("{}")
-    assert dm.default_policy(NoWorkers(), "tiny", 0, cache_dir=tmp_path) == current
+    assert warm_up.default_policy(NoWorkers(), "tiny", 0, cache_dir=tmp_path) == current
+
+
+def test_build_once_leaves_nothing_behind_a_failed_build_and_replaces_a_leftover(tmp_path):
+    from hflow.default.cache import build_once
+
+    def fails(out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("the warm-up did not reach its accuracy")
+
+    with pytest.raises(RuntimeError, match="did not reach"):
+        build_once(tmp_path / "model", fails)
+    assert list(tmp_path.iterdir()) == []            # no half-built model, no temporary
+    leftover = tmp_path / "model"
+    leftover.mkdir()
+    (leftover / "stray.bin").write_text("x")         # not a model: no config.json
+    calls = []
+
+    def builds(out):
+        calls.append(out)
+        (out / "config.json").write_text('{"ok": 1}')
+
+    assert build_once(leftover, builds) == leftover and (leftover / "config.json").read_text() == '{"ok": 1}'
+    assert not (leftover / "stray.bin").exists() and build_once(leftover, builds) == leftover and len(calls) == 1

@@ -36,6 +36,7 @@ import torch
 
 from hflow.batch import Batch
 from hflow.dispatch import RankGrid, balanced_order, gather, scatter
+from hflow.workers.micro_batches import packed_row_tokens
 
 
 @pytest.mark.parametrize("shards, m", [(2, 1), (2, 7), (3, 5), (4, 16)])
@@ -64,7 +65,7 @@ def test_a_balanced_call_returns_rows_in_the_callers_order(rows, per_row):
     lengths = torch.tensor([(7 * i) % 13 + 1 for i in range(rows)])
     mask = (torch.arange(16)[None, :] < lengths[:, None]).long()
     batch = Batch({"attention_mask": mask, "row": torch.arange(rows)})
-    calls, context = scatter("dp", grid, (batch,), {}, balance=True)
+    calls, context = scatter("dp", grid, (batch,), {}, balance=packed_row_tokens)
     assert context.order is not None
     shard_tokens = {c.rank: int(c.args[0]["attention_mask"].sum()) for c in calls}
     assert abs(shard_tokens[0] - shard_tokens[2]) <= int(lengths.max())   # ranks 0 and 2: dp 0 and 1
@@ -98,7 +99,7 @@ def test_a_balanced_rollout_keeps_each_prompts_samples_on_one_rank():
     tensors = layout.sequence_tensors([p for p in prompts for _ in range(4)], responses, pad_id=0)
     batch = Batch({**tensors, "prompt": torch.arange(8).repeat_interleave(4)}, meta={"n": 4})
     grid = RankGrid.of([0, 1], (2,), ("dp",))
-    calls, context = scatter("dp", grid, (batch,), {}, balance=True)
+    calls, context = scatter("dp", grid, (batch,), {}, balance=packed_row_tokens)
     assert context.order != list(range(32))                                  # it did move rows
     for call in calls:
         shard = call.args[0]["prompt"].tolist()
@@ -108,3 +109,15 @@ def test_a_balanced_rollout_keeps_each_prompts_samples_on_one_rank():
             enumerate(zip([p for p in prompts for _ in range(4)], responses))]
     loads = [sum(work[row] for row in context.order[:16]), sum(work[row] for row in context.order[16:])]
     assert abs(loads[0] - loads[1]) <= max(sum(work[u:u + 4]) for u in range(0, 32, 4))
+
+
+def test_a_method_declares_the_cost_its_shards_are_balanced_by():
+    from hflow.dispatch import balances, dispatch
+    from hflow.workers import Actor, Critic
+
+    assert {balances(m) for m in (Actor.log_probs, Actor.update, Critic.values, Critic.update)} == {packed_row_tokens}
+    assert balances(Actor.generate) is None and balances(Actor.save) is None
+    with pytest.raises(TypeError, match="each row's work"):
+        dispatch("dp", balance=True)
+    with pytest.raises(ValueError, match="applies to dispatch mode 'dp'"):
+        dispatch("all", balance=packed_row_tokens)

@@ -11,7 +11,8 @@ from hflow.engine.__main__ import default_dtype
 FROZEN = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from hflow.workers.fsdp import FSDPConfig, build_model, reshard, storage_dtype
+from hflow.workers.fsdp import FSDPConfig, reshard, storage_dtype
+from hflow.workers.hf_model import build_model
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
 cfg = FSDPConfig(param_dtype="bfloat16")   # the GPU default ("auto"), asked for on CPU

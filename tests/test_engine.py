@@ -53,6 +53,13 @@ def tiny_model(arch: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
 
 
+def engine_of(model, **opts) -> LLM:
+    """An engine holding an in-memory transformers model's weights, loaded as RL hands them over."""
+    llm = LLM(model.config, device=DEVICE, **opts)
+    llm.load_weights(model.state_dict().items())
+    return llm
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """arch -> (directory, the transformers model saved there); llama is saved sharded."""
@@ -304,7 +311,7 @@ def test_sleep_wake_and_load_weights_in_place(saved):
     loaded = llm.load_weights(other.state_dict().items())
     assert {n: p.data_ptr() for n, p in llm.model.named_parameters()} == ptrs
     assert "model.layers.1.self_attn.k_proj.weight" in loaded
-    assert _tokens(llm.generate(prompts, params)) == _tokens(LLM.from_model(other, device=DEVICE).generate(prompts, params))
+    assert _tokens(llm.generate(prompts, params)) == _tokens(engine_of(other).generate(prompts, params))
 
 
 def test_kv_blocks_are_zeroed_on_first_use(saved):
@@ -333,19 +340,15 @@ def _tokens(outs):
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-def test_constructors_agree(saved):
+def test_a_config_and_load_weights_give_what_from_pretrained_gives(saved):
     path, model = saved["llama"]
     prompts = prompts_of([7, 30])
     params = SamplingParams(temperature=0, max_tokens=12)
     expected = _tokens(LLM.from_pretrained(path, device=DEVICE).generate(prompts, params))
-    assert _tokens(LLM.from_model(model, device=DEVICE).generate(prompts, params)) == expected
-    assert _tokens(LLM.from_state_dict(model.state_dict(), model.config, device=DEVICE).generate(prompts, params)) == expected
-    assert _tokens(LLM.from_model(model, device=DEVICE, engine_config=EngineConfig(block_size=8)).generate(prompts, params)) == expected
-    with pytest.raises(TypeError, match="from_model"):
+    assert _tokens(engine_of(model).generate(prompts, params)) == expected
+    assert _tokens(engine_of(model, engine_config=EngineConfig(block_size=8)).generate(prompts, params)) == expected
+    with pytest.raises(TypeError, match="load_weights"):
         LLM(model)
-    empty = LLM.from_config(model.config, dtype=torch.float32, device=DEVICE)
-    empty.load_weights(model.state_dict().items())
-    assert _tokens(empty.generate(prompts, params)) == expected
 
 
 def test_clear_errors(saved):
@@ -380,6 +383,108 @@ def test_clear_errors(saved):
     llm.runner.step = step
     assert llm.block_manager.num_used_blocks == 0
     assert _tokens(llm.generate(prompts, params)) == expected
+
+
+def _run_to_the_end(llm) -> dict:
+    """Step until the engine is idle: request id -> its RequestOutput, each returned once."""
+    outs = {}
+    while llm.has_unfinished():
+        for out in llm.step():
+            assert out.request_id not in outs
+            assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
+            outs[out.request_id] = out
+    return outs
+
+
+def _completions(out):
+    return [(c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs]
+
+
+def test_add_request_and_step_give_what_generate_gives(saved):
+    path, _ = saved["qwen2"]
+    prompts = prompts_of([5, 20, 40, 20])
+    params = [SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=4), SamplingParams(temperature=0, max_tokens=10)] * 2
+    expected = LLM.from_pretrained(path, device=DEVICE).generate(prompts, params)
+    llm = LLM.from_pretrained(path, device=DEVICE)
+    assert not llm.has_unfinished() and llm.step() == []
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    assert len(set(ids)) == 4 and llm.has_unfinished()
+    outs = _run_to_the_end(llm)
+    assert [outs[i].prompt_token_ids for i in ids] == [o.prompt_token_ids for o in expected]
+    assert [_completions(outs[i]) for i in ids] == [_completions(o) for o in expected]
+    assert llm.block_manager.num_used_blocks == 0
+    # ids are the caller's when given; generate() and sleep() need an idle engine
+    assert llm.add_request(prompts[0], request_id="mine") == "mine"
+    with pytest.raises(ValueError, match="already unfinished"):
+        llm.add_request(prompts[1], request_id="mine")
+    with pytest.raises(ValueError, match="is empty"):
+        llm.add_request([])
+    with pytest.raises(RuntimeError, match="unfinished"):
+        llm.generate(prompts, params)
+    with pytest.raises(RuntimeError, match="unfinished"):
+        llm.sleep()
+    assert list(_run_to_the_end(llm)) == ["mine"]
+
+
+def test_a_request_added_between_steps_joins_the_batch_and_reuses_cached_blocks(saved):
+    """What a multi-turn agent does: a request added while others decode runs with them, takes
+    the cached KV of its prompt's prefix (a running prompt's full blocks; once a turn has ended,
+    the blocks its prompt and response filled) and gives the tokens it gives alone."""
+    path, _ = saved["llama"]
+    first, other = prompts_of([40, 12])                   # first: 2 full blocks of 16, then 8 tokens
+    joining = first[:32] + prompts_of([5], seed=1)[0]     # first's 2 full blocks, then tokens of its own
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=24, ignore_eos=True, seed=3)
+    alone = LLM.from_pretrained(path, device=DEVICE)
+    expected = [_tokens(alone.generate([p], params))[0] for p in (first, other, joining)]
+
+    llm = LLM.from_pretrained(path, device=DEVICE, block_size=16)
+    a, b = llm.add_request(first, params), llm.add_request(other, params)
+    for _ in range(3):                                    # a prefill, then decode steps
+        assert llm.step() == []
+    c = llm.add_request(joining, params)
+    assert llm.step() == []                               # its prefill: prefill goes first
+    samples = {r: [s for s in llm.scheduler.running if s.request_id == r] for r in (a, b, c)}
+    assert [len(samples[r]) for r in (a, b, c)] == [2, 2, 2]
+    assert all(s.num_cached_tokens == 32 and s.block_table[:2] == samples[a][0].block_table[:2] for s in samples[c])
+    outs = _run_to_the_end(llm)
+    assert [_tokens([outs[r]])[0] for r in (a, b, c)] == expected
+
+    # the next turn: first's prompt + its response + new tokens (40 + 24 + 3)
+    turn = first + outs[a].outputs[0].token_ids + prompts_of([3], seed=2)[0]
+    d = llm.add_request(turn, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    llm.step()
+    (seq,) = [s for s in llm.scheduler.running if s.request_id == d]
+    # tokens 0-47: the prompt's 2 blocks and the block the response filled; the KV of token 63,
+    # the last sampled, was never computed, so the block of tokens 48-63 is not cached
+    assert seq.num_cached_tokens == 48
+    assert list(_run_to_the_end(llm)) == [d]
+
+
+def test_abort_frees_a_requests_blocks_and_the_others_finish_unchanged(saved):
+    path, _ = saved["mistral"]
+    prompts = prompts_of([30, 25, 18])
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=20, ignore_eos=True, seed=8)
+    expected = _tokens(LLM.from_pretrained(path, device=DEVICE).generate([prompts[0], prompts[2]], params))
+    llm = LLM.from_pretrained(path, device=DEVICE)
+    a, b, c = (llm.add_request(p, params) for p in prompts)
+    for _ in range(4):
+        llm.step()
+    tables = {r: [s.block_table for s in llm.scheduler.running if s.request_id == r] for r in (a, b, c)}
+    own = {blk for t in tables[b] for blk in t} - {blk for r in (a, c) for t in tables[r] for blk in t}
+    assert len(own) == 3                                  # its shared full prompt block + each sample's last
+    used = llm.block_manager.num_used_blocks
+    llm.abort(b)
+    assert llm.block_manager.num_used_blocks == used - len(own)
+    assert all(s.request_id != b for s in llm.scheduler.running)
+    waiting = llm.add_request(prompts[1], params)          # dropped before it ever ran
+    llm.abort(waiting)
+    assert not any(s.request_id == waiting for s in llm.scheduler.waiting)
+    with pytest.raises(KeyError, match="no unfinished request"):
+        llm.abort(b)
+    outs = _run_to_the_end(llm)
+    assert sorted(outs) == [a, c]
+    assert _tokens([outs[a], outs[c]]) == expected
+    assert llm.block_manager.num_used_blocks == 0 and not llm.has_unfinished()
 
 
 def test_plan_buckets_is_optimal():
@@ -461,12 +566,12 @@ def test_string_prompts_and_text(saved):
             assert c.token_ids[-1] == EOS and "</s>" not in c.text
     assert any(o.outputs[0].finish_reason == "stop" for o in by_text + by_ids), "no stop token met"
     # no tokenizer: strings are refused, text is None
-    bare = LLM.from_model(model, device=DEVICE)
+    bare = engine_of(model)
     assert bare.generate([ids], params)[0].outputs[0].text is None
     with pytest.raises(ValueError, match="string prompts need a tokenizer"):
         bare.generate([text], params)
     assert LLM.from_pretrained(saved["qwen2"][0], device=DEVICE).tokenizer is None   # weights only: no empty tokenizer made up
-    given = LLM.from_model(model, tokenizer=tokenizer, device=DEVICE)
+    given = engine_of(model, tokenizer=tokenizer)
     assert _tokens(given.generate([text], params)) == _tokens(by_ids[:1])
 
 

@@ -46,7 +46,7 @@ for name, t in model.state_dict().items():
     elif name.endswith(("o_proj.weight", "down_proj.weight")):
         t = t.chunk(2, dim=1)[rank].clone()
     shards.append((name, t))
-empty = LLM.from_config(model.config, tp_group=dist.group.WORLD)
+empty = LLM(model.config, tp_group=dist.group.WORLD)
 empty.load_weights(shards)
 same(run(empty), reference)
 print(f"rank {rank} ok", flush=True)

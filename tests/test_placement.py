@@ -10,14 +10,14 @@ import pytest
 
 from hflow.config import ActorConfig, DataConfig, RolloutConfig
 from hflow.placement import Job, Placement, job_of, resolve
-from hflow.placement.auto import candidates, kind
-from hflow.placement.fsdp import (
+from hflow.placement.auto import candidates
+from hflow.planner.fsdp import (
     FSDPPlanner, collective_time, fsdp_infer_time, fsdp_reshard_bytes, fsdp_reshard_time, fsdp_state_bytes,
     fsdp_train_time, fsdp_working_bytes, micro_batches, parameter_tensors)
-from hflow.placement.hardware import Efficiency, Hardware, runnable_others
-from hflow.placement.models import Model, ModelShape, Workload, dataflow
-from hflow.placement.planner import set_partitions, shared_stage_time, step_cost, SetPlan
-from hflow.placement.simulator import Parallel, forward_flops, generate_time
+from hflow.planner.hardware import Efficiency, Hardware, runnable_others
+from hflow.planner.models import Model, ModelShape, Workload, dataflow
+from hflow.planner.search import SetPlan, kind, set_partitions, shared_stage_time, step_cost
+from hflow.planner.simulator import Parallel, forward_flops, generate_time
 
 PPO = [["actor", "ref"], ["critic"]]
 PPO_RM = [["actor", "ref"], ["critic", "reward"]]
@@ -281,14 +281,14 @@ def test_job_of_a_recipe_config():
                           actor=ActorConfig(epochs=2, mini_batch_size=4, max_tokens_per_micro_batch=4096),
                           algo=SimpleNamespace(old_log_probs="auto"))
     prompts = SimpleNamespace(prompt_ids=[[1] * 10, [1] * 20])
-    from hflow.default_model import default_model_dir
-    job = job_of(cfg, str(default_model_dir("tiny")), prompts, "cpu")
+    from hflow.default import default_model_dir
+    job = job_of(cfg, str(default_model_dir("tiny")), prompts, actor_log_probs=False)
     assert job.work == Workload(16, 15, 32, samples=4, updates=2 * 4, micro_batch_tokens=4096)
-    assert job.generation_tp == 2 and not job.actor_log_probs             # fp32: the engine's log-probs
+    assert job.generation_tp == 2 and not job.actor_log_probs
     assert job.model.hidden == 64 and job.model.layers == 2 and job.model.tied_embeddings
-    assert job_of(cfg, str(default_model_dir("tiny")), prompts, "cuda").actor_log_probs
+    assert job_of(cfg, str(default_model_dir("tiny")), prompts, actor_log_probs=True).actor_log_probs
     cfg.actor = ActorConfig(micro_batch_size=8)                              # no token budget: 8 sequences
-    assert job_of(cfg, str(default_model_dir("tiny")), prompts, "cpu").work.micro_batch_tokens == 8 * (15 + 32)
+    assert job_of(cfg, str(default_model_dir("tiny")), prompts, False).work.micro_batch_tokens == 8 * (15 + 32)
 
 
 def test_runnable_others_counts_processes():
@@ -296,7 +296,7 @@ def test_runnable_others_counts_processes():
 
 
 def test_the_cli_plans_hflows_layouts(capsys):
-    from hflow.placement.__main__ import main
+    from hflow.planner.__main__ import main
     assert main("plan --gpus 16 --actor 7B --algo ppo --layouts hflow --micro-batch-tokens 4096".split()) == 0
     out = capsys.readouterr().out
     assert "15 placements fit" in out and "chosen:" in out and "(1,1,8)" in out   # FSDP over a set's 8 GPUs

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from hflow.placement.__main__ import main
-from hflow.placement.hardware import GiB, PROFILES, Efficiency, Hardware, cpu_profile
-from hflow.placement.models import LLAMA, Model, ModelShape, Workload, dataflow, model_shape
-from hflow.placement.planner import Planner, SetPlan, assign_ranks, device_counts, set_partitions, step_cost
-from hflow.placement.simulator import (
+from hflow.planner.__main__ import main
+from hflow.planner.hardware import GiB, PROFILES, Efficiency, Hardware, cpu_profile
+from hflow.planner.models import LLAMA, Model, ModelShape, Workload, dataflow, model_shape
+from hflow.planner.search import Planner, SetPlan, assign_ranks, device_counts, set_partitions, step_cost
+from hflow.planner.simulator import (
     Parallel, activation_bytes, allreduce_time, forward_flops, generate_time, infer_time, kv_bytes_per_token,
     reshard_bytes, reshard_time, state_bytes, sum_of_max_lines, train_time, wave_time)
 

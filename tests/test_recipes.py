@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist import PROGRAMS, torchrun
-from hflow.default_model import build_default
+from hflow.default.model import build_default
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # keys that depend on wall-clock time, not on the computation
@@ -148,7 +148,7 @@ def test_grpo_defaults_depend_on_the_model():
     import importlib.util
     import sys
     import tyro
-    from hflow.config import resolve_defaults
+    from hflow.by_model import resolve_defaults
 
     spec = importlib.util.spec_from_file_location("grpo_recipe", RECIPES / "grpo.py")
     grpo = sys.modules["grpo_recipe"] = importlib.util.module_from_spec(spec)   # dataclasses look it up

@@ -14,9 +14,10 @@ from hflow.config import ModelConfig
 from hflow.data import DataError
 from hflow.data.preference import (PairDataConfig, arithmetic_preference_rows, pair_batch, pair_tokens,
                                    read_pair_rows, tokenize_pairs)
-from hflow.default_model import build_default
-from hflow.preference import bradley_terry_loss, cost_model_loss, pair_loss, pair_metrics
-from hflow.recipe import check_same_tokenizer, reward_roles
+from hflow.default.model import build_default
+from hflow.algos import bradley_terry_loss, cost_model_loss, pair_loss, pair_metrics
+from hflow.recipe import scorer_flag_problems
+from hflow.scoring import check_same_tokenizer, reward_roles
 from hflow.rewards import RewardConfig
 from hflow.rewards.arithmetic import arithmetic_score
 from test_fsdp import TESTS_ENV, tiny_model_dir
@@ -160,12 +161,15 @@ def test_data_errors_name_the_flag(tmp_path):
 
 
 def test_reward_flags_are_checked_before_any_work(tiny_model, tmp_path):
-    assert reward_roles(RewardConfig(), ModelConfig()) == []
-    assert reward_roles(RewardConfig(model="default"), ModelConfig()) == ["reward"]
-    with pytest.raises(ValueError, match="--reward.model default"):
-        reward_roles(RewardConfig(model="default"), ModelConfig(path=str(tiny_model)))
-    with pytest.raises(FileNotFoundError, match="--reward.model"):
-        reward_roles(RewardConfig(model=str(tmp_path / "nope")), ModelConfig())
+    assert reward_roles(RewardConfig()) == [] and reward_roles(RewardConfig(model="default")) == ["reward"]
+    embedded = object()   # any embedded default: only its presence matters here
+    assert scorer_flag_problems("", "--reward.model", "reward", ModelConfig(), embedded) == []
+    assert scorer_flag_problems("default", "--reward.model", "reward", ModelConfig(), embedded) == []
+    assert scorer_flag_problems(str(tiny_model), "--reward.model", "reward", ModelConfig(), embedded) == []
+    [given] = scorer_flag_problems("default", "--reward.model", "reward", ModelConfig(path=str(tiny_model)), embedded)
+    assert given.startswith("--reward.model default is the embedded default policy's reward model")
+    [missing] = scorer_flag_problems(str(tmp_path / "nope"), "--cost.model", "cost", ModelConfig(), embedded)
+    assert missing.startswith("--cost.model") and "no config.json" in missing
     # a reward model trained with another tokenizer would read the policy's ids as other tokens
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers

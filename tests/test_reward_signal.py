@@ -1,11 +1,10 @@
-"""hflow.recipe.Rewards warns when the first batches carry no signal (every response scored the
+"""hflow.scoring.Rewards warns when the first batches carry no signal (every response scored the
 same), the new user's silent failure, and stays quiet once scores differ."""
-import torch
 from transformers import AutoTokenizer
 
-from hflow.config import ModelConfig, RewardConfig
-from hflow.default_model import build_default
-from hflow.recipe import Rewards
+from hflow.config import RewardConfig
+from hflow.default.model import build_default
+from hflow.scoring import Rewards
 from hflow.layout import sequence_tensors
 from hflow.batch import Batch
 
@@ -20,7 +19,7 @@ def rollout(tokenizer, responses: list[str], answers: list[int]) -> Batch:
 
 def test_equal_scores_in_the_first_batches_warn_once(tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(build_default(tmp_path / "m", "tiny"))
-    rewards = Rewards(None, RewardConfig(fn="arithmetic"), ModelConfig(), tokenizer)
+    rewards = Rewards(None, RewardConfig(fn="arithmetic"), tokenizer)
     wrong = rollout(tokenizer, ["5", "7"], [42, 42])
     for _ in range(3):
         scores, _ = rewards(wrong)
@@ -35,7 +34,7 @@ def test_equal_scores_in_the_first_batches_warn_once(tmp_path, capsys):
 
 def test_a_batch_with_a_signal_silences_the_warning(tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(build_default(tmp_path / "m", "tiny"))
-    rewards = Rewards(None, RewardConfig(fn="arithmetic"), ModelConfig(), tokenizer)
+    rewards = Rewards(None, RewardConfig(fn="arithmetic"), tokenizer)
     rewards(rollout(tokenizer, ["42", "7"], [42, 42]))       # one right, one wrong
     for _ in range(4):
         rewards(rollout(tokenizer, ["5", "7"], [42, 42]))

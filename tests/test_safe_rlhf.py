@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from dist import torchrun
+from hflow import algos
 from hflow.data.safety import is_forbidden, is_refusal, is_safe, rule_metrics, safety_preference_rows
 from hflow.data.tasks import TASKS, task_splits
-from hflow.default_model import build_default
+from hflow.default.model import build_default
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "safe_rlhf.py"
 
@@ -75,7 +76,7 @@ def test_rule_metrics_count_by_hand():
 
 
 def test_lambda_update_is_gradient_ascent_in_log_space():
-    update = load_recipe().update_log_lambda
+    update = algos.update_log_lambda
     # log λ' = log λ + lr·λ·(J − d)
     assert update(0.0, mean_cost=3.0, threshold=1.0, lr=0.1) == pytest.approx(0.2)
     assert update(math.log(2.0), mean_cost=0.0, threshold=1.0, lr=0.5) == pytest.approx(math.log(2.0) - 1.0)
@@ -86,21 +87,20 @@ def test_lambda_update_is_gradient_ascent_in_log_space():
 
 
 def test_lagrange_multiplier_follows_the_update_and_round_trips_its_state():
-    recipe = load_recipe()
-    lam = recipe.LagrangeMultiplier(init=1.0, lr=0.1, lambda_max=5.0)
+    lam = algos.LagrangeMultiplier(init=1.0, lr=0.1, lambda_max=5.0)
     lam.update(mean_cost=2.0, threshold=-1.0)   # above the threshold: λ grows
     assert lam.value == pytest.approx(math.exp(0.1 * 1.0 * 3.0))
     grown = lam.value
     lam.update(mean_cost=-3.0, threshold=-1.0)   # below: it shrinks
     assert lam.value == pytest.approx(math.exp(math.log(grown) + 0.1 * grown * -2.0))
-    other = recipe.LagrangeMultiplier(init=1.0, lr=0.1, lambda_max=5.0)
+    other = algos.LagrangeMultiplier(init=1.0, lr=0.1, lambda_max=5.0)
     other.load_state_dict(lam.state_dict())
     assert other.value == lam.value
-    assert recipe.LagrangeMultiplier(init=0.0, lr=0.1, lambda_max=5.0).value == 0.0
+    assert algos.LagrangeMultiplier(init=0.0, lr=0.1, lambda_max=5.0).value == 0.0
 
 
 def test_lagrangian_advantage_by_hand():
-    combine = load_recipe().lagrangian_advantages
+    combine = algos.lagrangian_advantages
     reward, cost = torch.tensor([[1.0, -2.0]]), torch.tensor([[0.5, 1.0]])
     # (A_r − λ·A_c)/(1 + λ) with λ = 3: (1 − 1.5)/4, (−2 − 3)/4
     assert torch.allclose(combine(reward, cost, 3.0), torch.tensor([[-0.125, -1.25]]))

@@ -21,6 +21,20 @@ def test_engine_follows_training_weights(tmp_path, world, tps):
     assert run.output.count("log-prob diff") == len(tps.split(","))
 
 
+ROUNDS = os.path.join(PROGRAMS, "workers_rollout_rounds.py")
+
+
+@pytest.mark.dist
+def test_sample_rounds_share_one_weight_load(tmp_path):
+    """begin_rollout, two sample rounds, end_rollout: the batches of two generate calls with the
+    same seeds, on one load of the weights (tp_g 1 and 2 on 2 ranks); update and load are
+    refused while the rollout is open."""
+    path = tiny_model_dir(tmp_path / "model")
+    run = torchrun(ROUNDS, nproc=2, args=[path, "1,2"], tmp_path=tmp_path, timeout=300,
+                   env={**TESTS_ENV, "HFLOW_DEVICE": "cpu"}).check()
+    assert run.output.count("equal two generate calls") == 2 and "refusals ok" in run.output, run.output
+
+
 MODELS = os.path.join(PROGRAMS, "workers_models.py")
 
 

@@ -9,15 +9,15 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "launch": "hflow.cluster",
-    "Cluster": "hflow.cluster",
-    "WorkerGroup": "hflow.cluster",
-    "RemoteError": "hflow.cluster",
+    "launch": "hflow.launcher",
+    "Cluster": "hflow.controller",
+    "WorkerGroup": "hflow.controller",
+    "RemoteError": "hflow.controller",
     "Batch": "hflow.batch",
     "DataConfig": "hflow.data",
     "RewardConfig": "hflow.rewards",
     "Scorer": "hflow.rewards",
-    "Future": "hflow.cluster",
+    "Future": "hflow.controller",
     "make_mesh": "hflow.parallel",
     "Actor": "hflow.workers",
     "Reference": "hflow.workers",
@@ -25,7 +25,7 @@ _EXPORTS = {
     "RewardModel": "hflow.workers",
 }
 _SUBMODULES = {"algos", "rewards", "data", "engine", "workers", "config", "metrics", "checkpoint",
-               "default_model", "placement", "dispatch"}
+               "placement", "planner", "dispatch"}
 
 
 def __getattr__(name):

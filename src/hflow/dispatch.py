@@ -24,16 +24,16 @@ A worker method declares its mode with a decorator:
     `Batch.repeat(k, interleave=True)` lays them out; the padding's k*p rows are dropped;
   - any other result comes back as a list with one entry per dp shard.
 
-`@dispatch("dp", balance=True)` also evens out the work: FSDP syncs every layer, so the rank
-with the most tokens sets the pace of a forward or an update. Before cutting, rows are swapped
-between shards, by tokens (the Batch's attention_mask; a prompt shared by several rows
-counts once, as workers.packing computes it once), and only among rows at the same position
-of their shards: a row keeps its position i in its shard, so it stays in mini-batch i % M for
-every M (the strided mini-batches of `layout.minibatch_rows` are the same sets with or without
-balancing, on any number of ranks). The n rows of a prompt (meta "n") move together when n
-divides the shard, so that their prompt is packed once. Batch results come back in the
-caller's order. Only for methods whose rows are independent (not pairs or groups that must
-stay on one rank).
+`@dispatch("dp", balance=cost)` also evens out the work: FSDP syncs every layer, so the rank
+with the most work sets the pace of a forward or an update. `cost(batch) -> list[int]` is the
+worker's own measure of each row's work (the training workers': the tokens a packed pass
+computes, hflow.workers.micro_batches.packed_row_tokens), applied to the first Batch argument.
+Before cutting, rows are swapped between shards by that cost, and only among rows at the same
+position of their shards: a row keeps its position i in its shard, so it stays in mini-batch
+i % M for every M (strided mini-batches are the same sets with or without balancing, on any
+number of ranks). The n rows of a prompt (meta "n") move together when n divides the shard, so
+that their prompt is packed once. Batch results come back in the caller's order. Only for
+methods whose rows are independent (not pairs or groups that must stay on one rank).
 """
 from __future__ import annotations
 
@@ -50,13 +50,19 @@ MODES = ("all", "dp", "one")
 _ATTR = "__hflow_dispatch__"
 
 
-def dispatch(mode: str, balance: bool = False) -> Callable:
+RowCost = Callable[[Batch], list[int]]
+
+
+def dispatch(mode: str, balance: RowCost | None = None) -> Callable:
     """Mark a worker method as callable from the controller, dispatched by `mode`; `balance`
-    (mode "dp" only) evens out the tokens of the shards (see the module docstring)."""
+    (mode "dp" only), the work of each row of a Batch, evens out the shards' work (see the
+    module docstring)."""
     if mode not in MODES:
         raise ValueError(f"dispatch mode must be one of {MODES}, got {mode!r}")
-    if balance and mode != "dp":
+    if balance is not None and mode != "dp":
         raise ValueError(f"balance applies to dispatch mode 'dp', not {mode!r}")
+    if balance is not None and not callable(balance):
+        raise TypeError(f"balance is a function of a Batch giving each row's work, not {balance!r}")
 
     def mark(fn):
         setattr(fn, _ATTR, (mode, balance))
@@ -68,8 +74,9 @@ def mode_of(fn) -> str | None:
     return getattr(fn, _ATTR, (None,))[0]
 
 
-def balances(fn) -> bool:
-    return getattr(fn, _ATTR, (None, False))[1]
+def balances(fn) -> RowCost | None:
+    """The row cost a method's shards are balanced by, or None."""
+    return getattr(fn, _ATTR, (None, None))[1]
 
 
 def balanced_order(lengths: list[int], shards: int, unit: int = 1) -> list[int]:
@@ -167,13 +174,6 @@ class RankCall:
     returns: bool          # False: run it, but send back nothing (a tp peer's duplicate)
 
 
-def _work(batch: Batch) -> list[int]:
-    """Tokens a training pass computes for each row (a shared prompt once: workers.packing)."""
-    from hflow.workers.micro_batches import packed_tokens   # (hflow.workers imports this module)
-    return packed_tokens({k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")
-                          if k in batch}).tolist()
-
-
 @dataclass(frozen=True)
 class _DpContext:
     rows: int | None               # the caller's Batch length (None: no Batch argument)
@@ -181,8 +181,9 @@ class _DpContext:
 
 
 def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict,
-            balance: bool = False) -> tuple[list[RankCall], Any]:
-    """Per-rank arguments for a call, plus the context `gather` needs."""
+            balance: RowCost | None = None) -> tuple[list[RankCall], Any]:
+    """Per-rank arguments for a call, plus the context `gather` needs; `balance`: the row cost
+    to even the shards' work by (dispatch's), or None."""
     if mode == "all":
         return [RankCall(r, args, kwargs, True) for r in grid.ranks], None
     if mode == "one":
@@ -199,10 +200,10 @@ def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict,
     n_rows = lengths.pop() if lengths else None
 
     padded = {key: b.pad(n_shards)[0] for key, b in batch_args + batch_kwargs}   # pad each once
-    sized = [b for b in padded.values() if "attention_mask" in b]
     order = None
-    if balance and n_shards > 1 and sized:
-        order = balanced_order(_work(sized[0]), n_shards, unit=int(sized[0].meta.get("n", 1)))
+    if balance is not None and n_shards > 1 and padded:
+        first = next(iter(padded.values()))
+        order = balanced_order(balance(first), n_shards, unit=int(first.meta.get("n", 1)))
 
     def shards(key) -> list[Batch]:
         return (padded[key] if order is None else padded[key][order]).split(n_shards)

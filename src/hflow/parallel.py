@@ -2,7 +2,7 @@
 
 `hflow.launch` sets the device once per rank; workers, the engine and the resharding read it
 and build their own meshes here, so nothing under workers/ or engine/ imports the controller
-(hflow.cluster).
+(hflow.launcher).
 """
 from __future__ import annotations
 

@@ -1,45 +1,138 @@
-"""What every recipe does the same way: the policy and prompts checked before any work, prompts
-in, texts and scores out (a rule, a reward model in the loop, or both), the supervised loss. A recipe stays the algorithm; these are its
-plumbing. (Held-out evaluation: hflow.evaluation; the embedded default's warm-up:
-hflow.default_model; a run's bookkeeping: hflow.run.)
+"""One set-up for every RL recipe, and the few steps every recipe takes the same way.
+
+    sets = [["actor", "ref"], ["critic", *reward_roles(cfg.reward)]]   # the recipe's split
+    setup = set_up(cluster, cfg, sets, algo="ppo", default=EMBEDDED)    # every input checked, then the warm-up
+    actor = cluster.spawn(Actor, setup.actor_cfg, ranks=setup.placement["actor"])
+    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, setup.placement.get("reward"))
+    run = setup.run(actor, rewards.rule, trained={"actor": actor})
+    old = setup.old_log_probs(kl_in_reward=True)
+    for step in run.steps():
+        batch = actor.generate(prompt_batch(next(setup.sampler)), rollout)
+        ...                                                  # the algorithm
+        batch = gather(batch, [*old.pending(actor, batch, temperature), ...])
+        kl, metrics["kl/mean"] = kl_to_reference(batch)
+        run.end_step(step, metrics | step_metrics(batch, timer.pop()))
+
+A recipe without an embedded default passes `default=None` and needs --model.path. `default`
+is any object with the three methods of `EmbeddedDefault` (hflow.default): `base_model(model)`
+(the untrained model, whose tokenizer the run uses), `policy(cluster, model)` (what RL starts
+from) and `judge(cluster, kind, model)` (its reward or cost model); the library never imports
+hflow.default itself.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
 from hflow import algos
 from hflow.batch import Batch
-from hflow.config import ModelConfig
-from hflow.data import DataConfig, Prompt, load_prompts
-from hflow.rewards import RewardConfig, Scorer
-from hflow.workers import RewardModel, RewardModelConfig
-from hflow.layout import sequence_tensors
+from hflow.data import PromptDataset, PromptSampler, load_prompts
+from hflow.engine import SUPPORTED_MODEL_TYPES
+from hflow.evaluation import evaluate
+from hflow.placement import Placement, job_of, resolve
+from hflow.run import Run
+from hflow.scoring import check_same_tokenizer
+from hflow.validation import ConfigError
+from hflow.workers import check_batch_sizes, is_on_policy, rollout_log_probs_exact
+
+# the roles trained by a config group other than --actor.*
+CRITIC_ROLES = ("critic", "cost_critic")
 
 
-def policy_and_prompts(cluster, model: ModelConfig, data: DataConfig, warm_up: bool = True):
-    """(policy directory, tokenizer, train prompts, held-out prompts), every input checked
-    before any work starts; the embedded default policy is warmed up (once, cached) only after
-    that, unless `warm_up` is False."""
-    from hflow.default_model import default_model_dir, default_policy   # here: hflow.default_model imports this module
+@dataclass
+class Setup:
+    """A run's inputs, checked: the policy (warmed up when it is the embedded default), its
+    tokenizer, the prompts, the placement, the data sampler, the reward model's directory."""
+    cfg: Any
+    model_dir: str
+    tokenizer: Any
+    train: PromptDataset
+    val: PromptDataset | None
+    placement: Placement
+    sampler: PromptSampler
+    reward_model: str | None
+    device_type: str
+    default: Any = None
 
-    path = Path(model.path) if model.path else default_model_dir(model.default_size, model.default_seed)
+    @property
+    def actor_cfg(self):
+        """--actor.* on the policy: what the Actor and the Reference are spawned with."""
+        return dataclasses.replace(self.cfg.actor, model_path=self.model_dir)
+
+    def run(self, actor, rule, trained: dict, state: dict | None = None, evaluate_fn=None) -> Run:
+        """The run's bookkeeping (hflow.run.Run): `trained` and the data position (beside
+        `state`) in every checkpoint; held-out evaluation of `actor` (greedy and sampled,
+        scored by `rule`) unless `evaluate_fn` replaces it; the final export of `actor`."""
+        cfg = self.cfg
+        evaluate_fn = evaluate_fn or functools.partial(evaluate, actor, self.val, self.tokenizer, rule,
+                                                       cfg.rollout, cfg.trainer.eval_size)
+        return Run(cfg.trainer, trained=trained, state={"data": self.sampler, **(state or {})},
+                   evaluate=evaluate_fn, export=(actor, self.model_dir))
+
+    def scorer_dir(self, cluster, value: str, kind: str, flag: str) -> str | None:
+        """The directory a --reward.model / --cost.model value names: `default` is the embedded
+        default's judge (trained once, cached); a directory must share the policy's tokenizer."""
+        if not value:
+            return None
+        if value == "default":
+            return str(self.default.judge(cluster, kind, self.cfg.model))
+        check_same_tokenizer(value, self.tokenizer, flag)
+        return value
+
+    def old_log_probs(self, kl_in_reward: bool) -> "OldLogProbs":
+        """Where this run's old log-probs come from (see OldLogProbs)."""
+        return OldLogProbs.choose(self.cfg, self.device_type, kl_in_reward)
+
+
+def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm_up: bool = True) -> Setup:
+    """Check every input before any work (the policy directory, the scorers, the prompts, the
+    placement of `sets`, the batch sizes against it), then warm up the embedded default policy
+    (once, cached) unless `warm_up` is False, and train the default reward model if the run
+    asks for one. `algo` names the dataflow for --trainer.placement auto."""
+    model = cfg.model
+    found = scorer_flag_problems(cfg.reward.model, "--reward.model", "reward", model, default)
+    if found:
+        raise ConfigError("\n".join(found))
+    base = base_policy(model, default)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    train, val = load_prompts(cfg.data, tokenizer, "train"), load_prompts(cfg.data, tokenizer, "val")
+    # after the model and prompts: --trainer.placement auto plans from their shapes
+    # what --trainer.placement auto prices: an old log-probs pass of the actor if any is recomputed
+    recomputed = OldLogProbs.choose(cfg, cluster.device_type, kl_in_reward=True).source == "recompute"
+    placement = resolve(cfg.trainer.placement, sets, cluster.world_size, algo=algo, device_type=cluster.device_type,
+                        job=job_of(cfg, str(base), train, recomputed))
+    check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.actor.mini_batch_size, len(placement["actor"]), "actor")
+    for role in CRITIC_ROLES:
+        if role in placement:
+            check_batch_sizes(cfg.data.batch_size, cfg.rollout.n, cfg.critic.mini_batch_size, len(placement[role]),
+                              "critic")
+    policy = default.policy(cluster, model) if not model.path and warm_up else base
+    setup = Setup(cfg, str(policy), tokenizer, train, val, placement,
+                  PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed), None,
+                  cluster.device_type, default)
+    return dataclasses.replace(setup, reward_model=setup.scorer_dir(cluster, cfg.reward.model, "reward", "--reward.model"))
+
+
+def base_policy(model, default=None) -> Path:
+    """--model.path, or the embedded default's untrained model (`default.base_model`), checked:
+    a Hugging Face directory of a model the engine and the workers support."""
+    if not model.path and default is None:
+        raise ConfigError("--model.path is required: this recipe has no embedded default model")
+    path = Path(model.path) if model.path else default.base_model(model)
     check_policy_dir(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    train, val = load_prompts(data, tokenizer, "train"), load_prompts(data, tokenizer, "val")
-    if not model.path and warm_up:
-        path = default_policy(cluster, model.default_size, model.default_seed)
-    return str(path), tokenizer, train, val
+    return path
 
 
 def check_policy_dir(path) -> None:
     """A Hugging Face directory of a model the engine and the workers support, or an error
     that says what to change."""
-    from hflow.engine import SUPPORTED_MODEL_TYPES
-
     config = Path(path) / "config.json"
     if not config.exists():
         raise FileNotFoundError(f"--model.path {path}: not a Hugging Face model directory (no config.json)")
@@ -49,128 +142,75 @@ def check_policy_dir(path) -> None:
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
-def prompt_batch(prompts: list[Prompt]) -> Batch:
-    """The rows a sampler yields, as the Batch `Actor.generate` takes (ids + ground truths)."""
-    return Batch({"prompt_ids": [p.prompt_ids for p in prompts],
-                  "ground_truth": [p.ground_truth for p in prompts],
-                  "extra": [p.extra for p in prompts]})
+def scorer_flag_problems(value: str, flag: str, kind: str, model, default) -> list[str]:
+    """What is wrong with a --reward.model / --cost.model value, before any work: `default` is
+    the embedded default policy's own judge, so it needs that policy; anything else but empty
+    must be a Hugging Face directory."""
+    if value == "default" and (model.path or default is None):
+        return [f"{flag} default is the embedded default policy's {kind} model; with --model.path give a {kind} "
+                f"model trained for that policy's tokenizer (recipes/reward_model.py{' --cost' * (kind == 'cost')})"]
+    if value and value != "default" and not (Path(value) / "config.json").exists():
+        return [f"{flag} {value}: not a Hugging Face model directory (no config.json)"]
+    return []
 
 
-def response_texts(batch: Batch, tokenizer) -> list[str]:
-    """The sampled responses as text, special tokens (EOS) dropped."""
-    lengths = batch["response_mask"].sum(1).long().tolist()
-    ids = [row[:n].tolist() for row, n in zip(batch["responses"], lengths)]
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+class OldLogProbs:
+    """Where a step's old log-probs come from: the sampling policy's log-probs of its own tokens,
+    which a KL in the reward and an off-policy update (several epochs or mini-batches) need.
+
+    update     on-policy without a KL in the reward: the update's own detached log-probs are
+               the old ones (ratio exactly 1), so no pass is spent on them;
+    rollout    the engine's sampled-token log-probs (--algo.old-log-probs rollout, or auto when
+               the actor computes in fp32, where they equal a recomputation to ~1e-6);
+    recompute  a forward pass of the actor (--algo.old-log-probs recompute, or auto in bf16,
+               where the engine's differ)."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    @classmethod
+    def choose(cls, cfg, device_type: str, kl_in_reward: bool) -> "OldLogProbs":
+        """For a recipe's Config: its --actor.* and --data.batch-size, and --algo.old-log-probs
+        (auto when the recipe has no such flag)."""
+        if is_on_policy(cfg.actor, cfg.data.batch_size) and not kl_in_reward:
+            return cls("update")
+        choice = getattr(getattr(cfg, "algo", None), "old_log_probs", "auto")
+        exact = rollout_log_probs_exact(cfg.actor, device_type)
+        return cls("rollout" if choice == "rollout" or (choice == "auto" and exact) else "recompute")
+
+    def pending(self, actor, batch: Batch, temperature: float) -> list:
+        """What this step's old log-probs need started: the engine's are put in `batch` now (no
+        call); a recomputation is the actor's future, to merge with the other parts."""
+        if self.source == "rollout":
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        return [actor.log_probs.future(batch, temperature)] if self.source == "recompute" else []
 
 
-def score(batch: Batch, tokenizer, scorer: Scorer) -> tuple[torch.Tensor, dict]:
-    """One score per sequence of a rollout Batch, and the scorer's metrics (reward/*)."""
-    scored = scorer(response_texts(batch, tokenizer), batch["ground_truth"], batch["extra"])
-    return torch.tensor(scored.scores, dtype=torch.float32), scored.metrics
+def gather(batch: Batch, pending: list) -> Batch:
+    """`batch` with the columns of every pending call's result (log-probs, values) added, in
+    the order given; the calls ran at the same time where their groups sit on different ranks."""
+    for part in pending:
+        batch = batch | part.result()
+    return batch
 
 
-# ------------------------------------------------------------ rewards: a rule, a reward model, or both
-
-def reward_roles(reward: RewardConfig, model: ModelConfig) -> list[str]:
-    """["reward"] when a reward model is in the loop (a role to place like any model), else [];
-    checks the flags before any work."""
-    if reward.model == "default" and model.path:
-        raise ValueError("--reward.model default is the embedded default policy's reward model; with "
-                         "--model.path give a reward model trained for that policy's tokenizer "
-                         "(recipes/reward_model.py)")
-    if reward.model and reward.model != "default" and not (Path(reward.model) / "config.json").exists():
-        raise FileNotFoundError(f"--reward.model {reward.model}: not a Hugging Face model directory (no config.json)")
-    return ["reward"] if reward.model else []
+def kl_to_reference(batch: Batch) -> tuple[torch.Tensor, float]:
+    """k1 per token of the sampling policy to the reference, log pi_old - log pi_ref (0 outside
+    response_mask; the old log-probs, or on-policy the engine's), and its mean (kl/mean)."""
+    mask = batch["response_mask"]
+    sampled = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
+    kl = algos.kl_penalty(sampled, batch["ref_log_probs"], "k1") * mask
+    return kl, algos.masked_mean(kl, mask).item()
 
 
-class Rewards:
-    """The training score of a rollout: the rule (--reward.fn) alone; with a reward model
-    (--reward.model) w * rm, or rule + w * rm when --reward.fn is given too. The rule is
-    always computed: it is logged, and held-out evaluation uses it (`rewards.rule`).
-
-        plan = colocate(["actor", ...] + reward_roles(cfg.reward, cfg.model), world)
-        rewards = Rewards(cluster, cfg.reward, cfg.model, tokenizer, plan.get("reward"))
-        scores, metrics = rewards(batch)    # reward/mean; with a model also reward/rule_mean, reward/rm_mean, reward/rm_std
-    """
-
-    def __init__(self, cluster, cfg: RewardConfig, model: ModelConfig, tokenizer, ranks=None):
-        from hflow.preference import default_reward_model   # here: hflow.preference imports hflow.default_model, which imports this module
-        self.cfg, self.tokenizer, self.rule = cfg, tokenizer, Scorer(cfg)
-        self.model = None
-        self.equal_batches = 0   # batches so far whose responses all scored alike (the first few only)
-        if cfg.model:
-            path = default_reward_model(cluster, "reward", size=model.default_size, seed=model.default_seed) \
-                if cfg.model == "default" else Path(cfg.model)
-            check_same_tokenizer(path, tokenizer)
-            rm_cfg = RewardModelConfig(model_path=str(path), max_tokens_per_micro_batch=cfg.model_max_tokens_per_micro_batch)
-            self.model = cluster.spawn(RewardModel, rm_cfg, ranks=ranks)
-
-    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict]:
-        """One training score per sequence of a rollout Batch, and the metrics (reward/*)."""
-        # the reward model works on its ranks while the controller applies the rule
-        pending = self.model.scores.future(batch.select("input_ids", "attention_mask", "response_mask")) \
-            if self.model else None
-        rule, metrics = score(batch, self.tokenizer, self.rule)
-        if pending is None:
-            self.warn_if_no_signal(rule)
-            return rule, metrics
-        rm = pending.result()["rm_scores"]
-        scores = self.cfg.model_weight * rm + (rule if self.cfg.fn else 0.0)
-        self.warn_if_no_signal(scores)
-        metrics["reward/rule_mean"] = metrics.pop("reward/mean")
-        return scores, metrics | {"reward/mean": scores.mean().item(), "reward/rm_mean": rm.mean().item(),
-                                  "reward/rm_std": rm.std().item() if len(rm) > 1 else 0.0}
-
-    def warn_if_no_signal(self, scores: torch.Tensor, first: int = 3) -> None:
-        """Say so when every response of each of the first `first` batches scored the same: the
-        advantages are all 0 and nothing is learned, which looks like a broken reward function
-        but is usually the prompts."""
-        if self.equal_batches < 0 or len(scores) == 0:
-            return
-        if scores.min() != scores.max():
-            self.equal_batches = -1          # a signal came: never warn
-            return
-        self.equal_batches += 1
-        if self.equal_batches == first:
-            print(f"hflow: warning: every response scored {scores[0].item():g} in each of the first {first} "
-                  f"batches, so every advantage is 0 and GRPO/PPO learn nothing. Likely causes: prompts in a "
-                  f"format the model does not know (the embedded default wants bare '27+82=' prompts, not a "
-                  f"chat template: drop --data.chat), --rollout.max-tokens too short to finish an answer, or "
-                  f"a --data.answer-key column that is not the answer --reward.fn expects.", flush=True)
-
-    def close(self) -> None:
-        self.rule.close()
-
-
-def check_same_tokenizer(path, tokenizer) -> None:
-    """A reward model scores the policy's token ids: its tokenizer (when its directory has one)
-    must be the policy's."""
-    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        return
-    if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"--reward.model {path}: its tokenizer is not the policy's; a reward model scores "
-                         "the policy's token ids, so it must be trained with the policy's tokenizer")
-
-
-def rollout_metrics(batch: Batch) -> dict[str, float]:
+def step_metrics(batch: Batch, times: dict[str, float]) -> dict[str, float]:
+    """What every step logs besides its algorithm's figures: the phases' times, and for a
+    non-empty batch the response lengths, the share that stopped before --rollout.max-tokens and
+    tokens/s of the whole step."""
+    if not len(batch):
+        return dict(times)
     lengths = batch["response_mask"].sum(1)
     stopped = [reason == "stop" for reason in batch["finish_reason"]]
     return {"response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
-            "response/stop_fraction": sum(stopped) / max(len(stopped), 1)}
-
-
-# ------------------------------------------------------------ supervised learning
-
-def nll_loss(log_probs: torch.Tensor, mb: Batch, entropy=None):
-    """Supervised loss: -mean log p(target token) over the response tokens."""
-    loss = algos.aggregate_loss(-log_probs, mb["response_mask"], "token-mean")
-    return loss, {}
-
-
-def supervised_batch(prompts: list[Prompt], tokenizer) -> Batch:
-    """Prompt + its ground truth as the target completion (ending with EOS), in the layout the
-    Actor trains on."""
-    targets = [tokenizer.encode(str(p.ground_truth), add_special_tokens=False) + [tokenizer.eos_token_id]
-               for p in prompts]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return Batch(sequence_tensors([p.prompt_ids for p in prompts], targets, pad), meta={"n": 1})
+            "response/stop_fraction": sum(stopped) / max(len(stopped), 1), **times,
+            "throughput/tokens_per_s": lengths.sum().item() / times["time/step_s"]}

@@ -34,7 +34,7 @@ from . import measure
 from .batch import Batch
 
 
-# ---- the tasks the controller sends (hflow.cluster) -----------------------------------------------
+# ---- the tasks the controller sends (hflow.controller) --------------------------------------------
 
 @dataclass
 class Spawn:

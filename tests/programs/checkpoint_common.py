@@ -8,7 +8,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2ForCausalLM
 
 from hflow import checkpoint as ck
-from hflow.default_model import build_config
+from hflow.default.model import build_config
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")

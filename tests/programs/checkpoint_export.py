@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 # importing checkpoint_common joins the gloo process group
 from checkpoint_common import RANK, ROOT, build, train_step
 from hflow import checkpoint as ck
-from hflow.default_model import build_tokenizer
+from hflow.default.model import build_tokenizer
 
 model, opt, sched = build(0)
 for _ in range(2):

@@ -42,7 +42,7 @@ class CheckedActor(Actor):
     def engine_vs_training(self) -> float:
         """Largest difference between the engine's weights and the training weights
         (full_tensor()) cast to the engine's dtype."""
-        targets = self.rollout.llm.model.weight_targets()
+        targets = self.hybrid_engine.llm.model.weight_targets()
         worst = 0.0
         for name, param in self.model.named_parameters():
             full = param.full_tensor().to(targets[name][0].dtype)
@@ -51,7 +51,7 @@ class CheckedActor(Actor):
 
     @dispatch("all")
     def placement(self) -> str:
-        w = self.rollout.llm.model.embed_tokens.weight
+        w = self.hybrid_engine.llm.model.embed_tokens.weight
         return f"{w.device} {w.dtype}"
 
 

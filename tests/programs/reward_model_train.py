@@ -8,7 +8,7 @@ from transformers import AutoModelForSequenceClassification
 
 import hflow
 from hflow.data.preference import pair_batch
-from hflow.preference import pair_loss
+from hflow.algos import pair_loss
 from hflow.workers import OptimConfig, RewardModel, RewardModelConfig
 
 model_path, out = sys.argv[1:3]

@@ -19,8 +19,8 @@ class CheckedActor(Actor):
     def engine_vs_training(self) -> float:
         """Largest difference between the engine's weights and full_tensor() of the training
         parameters, sliced as this rank's tensor-parallel shard."""
-        targets = self.rollout.llm.model.weight_targets()
-        tp, t = self.rollout.gen_mesh.size(0), self.rollout.gen_mesh.get_local_rank(0)
+        targets = self.hybrid_engine.llm.model.weight_targets()
+        tp, t = self.hybrid_engine.gen_mesh.size(0), self.hybrid_engine.gen_mesh.get_local_rank(0)
         worst = 0.0
         for name, param in self.model.named_parameters():
             full = param.full_tensor()

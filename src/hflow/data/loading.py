@@ -50,7 +50,7 @@ class PromptDataset:
 
 # ---------------------------------------------------------------- reading files
 
-def _read_table(path: str, files_flag: str):
+def read_table(path: str, files_flag: str):
     """A ``datasets.Dataset`` from one file or save_to_disk directory."""
     import datasets   # loads on first use: `import hflow.data` stays quick for the built-in task
     if not os.path.exists(path):
@@ -97,7 +97,7 @@ def read_rows(files: Sequence[str], prompt_key: str, answer_key: str, files_flag
     """Rows ``{"prompt", "answer", "extra", "source"}`` from every file, in file order."""
     rows = []
     for path in files:
-        ds = _read_table(path, files_flag)
+        ds = read_table(path, files_flag)
         columns = ds.column_names
         answer_path = answer_key.split(".") if answer_key else []
         answer_column = answer_path[0] if answer_path else None
@@ -127,7 +127,7 @@ def read_rows(files: Sequence[str], prompt_key: str, answer_key: str, files_flag
 
 # ---------------------------------------------------------------- rendering and tokenising
 
-def _render(prompt, tokenizer, chat: bool, where: str) -> tuple[str, bool]:
+def render_prompt(prompt, tokenizer, chat: bool, where: str) -> tuple[str, bool]:
     """(text, is_chat): a chat message list or (with ``chat``) a string through the template."""
     if isinstance(prompt, str) and not chat:
         return prompt, False
@@ -148,7 +148,7 @@ def build_prompts(rows: list[dict], tokenizer, max_prompt_length: int, chat: boo
     """Render and tokenise rows; drop (and count, with a message) prompts longer than the limit."""
     if max_prompt_length < 1:
         raise DataError(f"{flag('max_prompt_length')} must be >= 1, got {max_prompt_length}")
-    rendered = [_render(r["prompt"], tokenizer, chat, r.get("source", f"row {i}")) for i, r in enumerate(rows)]
+    rendered = [render_prompt(r["prompt"], tokenizer, chat, r.get("source", f"row {i}")) for i, r in enumerate(rows)]
     ids: list[list[int]] = [None] * len(rows)
     for is_chat in (False, True):  # one batched tokenizer call per kind
         picked = [i for i, (_, c) in enumerate(rendered) if c == is_chat]

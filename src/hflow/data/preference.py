@@ -33,17 +33,14 @@ from typing import Callable
 import torch
 
 from hflow.batch import Batch
-from hflow.data.config import DataError
-from hflow.data.loading import _read_table, _render
+from hflow.data.config import DataError, flag
+from hflow.data.loading import read_table, render_prompt
+from hflow.data.safety import safety_preference_rows
 from hflow.data.tasks import task_splits
-from hflow.rewards.arithmetic import arithmetic_score
 from hflow.layout import sequence_tensors
+from hflow.rewards.arithmetic import arithmetic_score
 
 logger = logging.getLogger("hflow.data")
-
-
-def flag(name: str) -> str:
-    return "--data." + name.replace("_", "-")
 
 
 @dataclass
@@ -109,7 +106,7 @@ def arithmetic_preference_rows(split: str, seed: int = 0, mistakes: dict[str, li
     """Pairs on the built-in arithmetic task's `split` ("train" or "val": its training / held-out
     prompts for `seed`, as `--data.task arithmetic` splits them): the right answer over a
     `wrong_answer`, one per prompt, and over each of a policy's `mistakes` on it (prompt ->
-    wrong responses, e.g. hflow.preference.policy_mistakes), and with `near_misses` over the
+    wrong responses, e.g. hflow.default.judges.policy_mistakes), and with `near_misses` over the
     answer ± 1 and ± 10 (a slipped units digit, a carry lost or added: the errors PPO finds a
     reward model rating right). Rows {"prompt", "chosen", "rejected"}; texts without EOS."""
     if split not in ("train", "val"):
@@ -134,7 +131,6 @@ def builtin_pair_rows(kind: str) -> Callable[[str, int], list[dict]]:
     if kind == "reward":
         return arithmetic_preference_rows
     if kind == "cost":
-        from hflow.data.safety import safety_preference_rows   # the safety task imports this package
         return safety_preference_rows
     raise ValueError(f"kind must be 'reward' or 'cost', got {kind!r}")
 
@@ -165,7 +161,7 @@ def read_pair_files(files: list[str], cfg: PairDataConfig, cost: bool, files_fla
         keys |= {"chosen_safe_key": cfg.chosen_safe_key, "rejected_safe_key": cfg.rejected_safe_key}
     rows = []
     for path in files:
-        table = _read_table(path, files_flag)
+        table = read_table(path, files_flag)
         for name, column in keys.items():
             if column and column not in table.column_names:
                 raise DataError(f"{flag(name)}: column {column!r} is not in {path!r} "
@@ -214,7 +210,7 @@ def pair_tokens(row: dict, tokenizer, chat: bool) -> tuple[list[int], list[int],
         rejected = tokenizer(row["rejected"])["input_ids"]
         cut = max(1, min(_common_prefix(chosen, rejected), len(chosen) - 1, len(rejected) - 1))
         return chosen[:cut], chosen[cut:] + eos, rejected[cut:] + eos
-    text, is_chat = _render(row["prompt"], tokenizer, chat, "a pair")
+    text, is_chat = render_prompt(row["prompt"], tokenizer, chat, "a pair")
     prompt = tokenizer(text, add_special_tokens=not is_chat)["input_ids"]
     response = lambda s: tokenizer.encode(s, add_special_tokens=False) + eos   # noqa: E731
     return prompt, response(row["chosen"]), response(row["rejected"])

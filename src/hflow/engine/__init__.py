@@ -5,6 +5,7 @@ parallel, weights loaded in place) for Llama-family models.
     llm = LLM.from_pretrained(path)
     outs = llm.generate(prompt_token_ids, SamplingParams(n=4, temperature=1.0, max_tokens=64))
     outs[i].outputs[j].token_ids / .logprobs / .finish_reason
+    llm.add_request(prompt_token_ids, params); llm.step()    # request by request (llm.py)
 """
 from hflow.engine.config import EngineConfig
 from hflow.engine.llm import LLM

@@ -16,8 +16,7 @@ class EngineConfig:
     num_kv_blocks / kv_cache_bytes: the KV budget, in blocks or in bytes for all layers on this
         rank (give at most one). Default: what max_num_seqs sequences of max_model_len need,
         capped on CPU at 1 GiB, on a GPU by gpu_memory_fraction. The cache is allocated by the
-        first generate(), freed by sleep() and allocated again by the first generate() after
-        wake_up().
+        first step, freed by sleep() and allocated again by the first step after wake_up().
     gpu_memory_fraction: without an explicit budget on a GPU, the share of the device's memory
         the engine may fill: the cache gets fraction * total - (memory in use) - (a step's
         activations), measured each time it is allocated (so after the weights are in, and
@@ -28,7 +27,8 @@ class EngineConfig:
     max_model_len: longest prompt + completion; default: the config's max_position_embeddings.
     enable_prefix_caching: share KV blocks of identical prefixes (the n samples of a prompt).
     tp_group: a torch.distributed process group to shard the model over (tensor parallel);
-        every rank of it must call generate() with the same arguments.
+        every rank of it must add the same requests and step alike (generate() with the same
+        arguments).
     """
     block_size: int = 16
     num_kv_blocks: int | None = None

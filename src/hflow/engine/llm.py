@@ -1,10 +1,17 @@
-"""LLM: the engine's front door (vLLM-shaped), with weights that can be swapped in place."""
+"""LLM: the engine's front door (vLLM-shaped), with weights that can be swapped in place.
+
+Requests go in with add_request() and come out of step(), which runs one forward step over
+every running sequence and returns the requests it finished; a request added between steps
+joins the running batch at the next prefill (continuous batching) and reuses the KV blocks of
+any prefix already cached (prefix caching), so a turn of a conversation pays only for its new
+tokens. generate() is that loop over a batch of prompts.
+"""
 from __future__ import annotations
 
 import glob
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,36 +27,55 @@ from hflow.engine.model_runner import ModelRunner
 from hflow.engine.models import build_model
 from hflow.engine.models.layers import TPInfo
 from hflow.engine.scheduler import Scheduler
-from hflow.engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, sample_rng
+from hflow.engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, Status, sample_rng
 
 
 class LLM:
     """Paged-KV generation engine for Llama-family models.
 
         LLM.from_pretrained(path, dtype=torch.float32, **engine_opts)   # a Hugging Face directory
-        LLM.from_model(hf_model)                     # an in-memory transformers model (copied)
-        LLM.from_state_dict(state_dict, hf_config)   # Hugging Face names -> tensors
-        LLM(hf_config) / LLM.from_config(hf_config)  # uninitialised; fill with load_weights()
+        LLM(hf_config, **engine_opts)                # uninitialised weights: fill with load_weights()
+
+        outs = llm.generate(prompts, SamplingParams(n=4))     # a batch; outputs in prompt order
+        request_id = llm.add_request(prompt_token_ids, SamplingParams(n=4))   # or request by request
+        while llm.has_unfinished():
+            for out in llm.step(): ...                        # the requests that finished in that step
 
     Engine options are the fields of EngineConfig (block_size, num_kv_blocks or
     kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, tp_group, gpu_memory_fraction), as keywords or as engine_config=EngineConfig(...);
-    `device` and `dtype` place the weights and the cache (default: cpu/fp32; from_model: the
-    model's). `eos_token_ids` overrides the stop ids found in the generation config / model config.
-    `tokenizer` (a transformers tokenizer; from_pretrained: the directory's, loaded when first
-    needed) lets generate() take strings and fills each output's `.text`.
+    `device` and `dtype` place the weights and the cache (default: cpu/fp32). `eos_token_ids`
+    overrides the stop ids found in the generation config / model config. `tokenizer` (a
+    transformers tokenizer; from_pretrained: the directory's, loaded when first needed) lets
+    generate() take strings and fills each output's `.text`.
     """
 
     def __init__(self, hf_config, *, dtype: torch.dtype | None = None, device=None,
                  eos_token_ids: list[int] | None = None, engine_config: EngineConfig | None = None,
                  tokenizer=None, **engine_opts):
         if isinstance(hf_config, (nn.Module, dict)):
-            raise TypeError("LLM(...) takes a transformers config; use LLM.from_model(model) or "
-                            "LLM.from_state_dict(state_dict, config) for weights")
+            raise TypeError("LLM(...) takes a transformers config (model.config); give it the weights with "
+                            "llm.load_weights(model.state_dict().items()), or use LLM.from_pretrained(path)")
         if engine_config is not None and engine_opts:
             raise ValueError(f"give engine_config or engine options {sorted(engine_opts)}, not both")
         cfg = engine_config or EngineConfig(**engine_opts)
-        self._build(hf_config, dtype or torch.float32, device or "cpu", eos_token_ids, cfg)
+        self.hf_config, self.engine_config, self.path = hf_config, cfg, None
+        self.max_model_len = cfg.max_model_len or hf_config.max_position_embeddings
+        if eos_token_ids is None:
+            eos_token_ids = getattr(hf_config, "eos_token_id", None)
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.tp = TPInfo(cfg.tp_group)
+        self.model = build_model(hf_config, self.max_model_len, self.tp, dtype or torch.float32,
+                                 torch.device(device or "cpu"))
+        # on a GPU without an explicit budget, the cache is sized from free memory each time it is allocated
+        self._size_from_memory = (cfg.num_kv_blocks is None and cfg.kv_cache_bytes is None
+                                  and self.model.embed_tokens.weight.device.type != "cpu")
+        self._asleep = self._weights_freed = False
+        self._next_seq_id = self._next_request_id = 0
+        self._requests: dict[Hashable, list[Sequence]] = {}   # unfinished requests -> their samples
+        self._make_cache(self._num_kv_blocks())
         self._tokenizer, self._tokenizer_missing = tokenizer, False
 
     @property
@@ -63,35 +89,6 @@ class LLM:
             else:
                 self._tokenizer_missing = True
         return self._tokenizer
-
-    @classmethod
-    def from_config(cls, hf_config, dtype: torch.dtype = torch.float32, device=None, tp_group=None,
-                    **engine_opts) -> "LLM":
-        """The model with uninitialised weights (no copy of anything): fill with load_weights()."""
-        if tp_group is not None:
-            engine_opts["tp_group"] = tp_group
-        return cls(hf_config, dtype=dtype, device=device, **engine_opts)
-
-    @classmethod
-    def from_model(cls, model: nn.Module, *, dtype: torch.dtype | None = None, device=None,
-                   eos_token_ids: list[int] | None = None, **options) -> "LLM":
-        """A copy of an in-memory transformers model's weights (its dtype and device by default;
-        stop ids from its generation config)."""
-        ref = next(model.parameters())
-        gen = getattr(model, "generation_config", None)
-        if eos_token_ids is None and gen is not None and gen.eos_token_id is not None:
-            eos_token_ids = gen.eos_token_id
-        llm = cls(model.config, dtype=dtype or ref.dtype, device=device or ref.device,
-                  eos_token_ids=eos_token_ids, **options)
-        llm.load_weights(model.state_dict().items())
-        return llm
-
-    @classmethod
-    def from_state_dict(cls, state_dict: dict, hf_config, **options) -> "LLM":
-        """Hugging Face-named tensors of a model whose transformers config is `hf_config`."""
-        llm = cls(hf_config, **options)
-        llm.load_weights(state_dict.items())
-        return llm
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device=None, **engine_opts) -> "LLM":
@@ -119,23 +116,6 @@ class LLM:
         llm.load_weights(tensors())
         llm.path = path
         return llm
-
-    def _build(self, hf_config, dtype, device, eos_token_ids, cfg: EngineConfig) -> None:
-        self.hf_config, self.engine_config, self.path = hf_config, cfg, None
-        self.max_model_len = cfg.max_model_len or hf_config.max_position_embeddings
-        if eos_token_ids is None:
-            eos_token_ids = getattr(hf_config, "eos_token_id", None)
-        if isinstance(eos_token_ids, int):
-            eos_token_ids = [eos_token_ids]
-        self.eos_token_ids = list(eos_token_ids or [])
-        self.tp = TPInfo(cfg.tp_group)
-        self.model = build_model(hf_config, self.max_model_len, self.tp, dtype, torch.device(device))
-        # on a GPU without an explicit budget, the cache is sized from free memory each time it is allocated
-        self._size_from_memory = (cfg.num_kv_blocks is None and cfg.kv_cache_bytes is None
-                                  and self.model.embed_tokens.weight.device.type != "cpu")
-        self._asleep = self._weights_freed = False
-        self._next_seq_id = 0
-        self._make_cache(self._num_kv_blocks())
 
     def _num_kv_blocks(self) -> int:
         cfg = self.engine_config
@@ -221,6 +201,9 @@ class LLM:
         After level 2 the parameters keep their identity and shape but hold no storage; the
         caller loads weights again after wake_up() (vLLM's semantics).
         """
+        if self._requests:
+            raise RuntimeError(f"sleep() with {len(self._requests)} unfinished requests: step() them to the end "
+                               "or abort() them first")
         self.runner.free_kv_cache()
         self.block_manager.reset()
         self._asleep = True
@@ -232,82 +215,36 @@ class LLM:
 
     def wake_up(self) -> None:
         """Restore what sleep() freed (the weights' storage comes back uninitialised, the KV
-        cache is allocated by the next generate())."""
+        cache is allocated by the next step)."""
         if self._weights_freed:
             for p in self._unique_parameters():
                 p.data.untyped_storage().resize_(p.numel() * p.element_size())
             self._weights_freed = False
-        self._asleep = False  # the KV cache comes back at the next generate()
+        self._asleep = False  # the KV cache comes back at the next step
 
     def _unique_parameters(self):
         return self.model.parameters()  # deduplicated: tied embeddings appear once
 
-    # ---- generation ----
+    # ---- requests and steps ----
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Complete each prompt `params.n` times; outputs in prompt order. A prompt is a string
-        (tokenized with the engine's tokenizer, special tokens added as the tokenizer does) or a
-        list of token ids; one prompt may be given alone."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        prompt_token_ids = self._tokenize(prompts) if any(t is not None for t in texts) else prompts
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompt_token_ids)
-        if len(sampling_params) != len(prompt_token_ids):
-            raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompt_token_ids)} prompts")
+    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    request_id: Hashable | None = None) -> Hashable:
+        """Queue `sampling_params.n` completions of a prompt (token ids); they join the running
+        batch at the next step that has room. Returns the request's id (`request_id`, or a new
+        int), which its RequestOutput carries."""
+        params = sampling_params or SamplingParams()
+        prompt = list(prompt_token_ids)
+        if request_id is None:
+            while self._next_request_id in self._requests:
+                self._next_request_id += 1
+            request_id = self._next_request_id
+            self._next_request_id += 1
+        elif request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already unfinished: give each request its own id")
         if self._asleep:
-            raise RuntimeError("the engine is asleep: call wake_up() before generate()")
-        if self._size_from_memory and self.runner.kv_cache is None:
-            num_blocks = self._num_kv_blocks()   # memory free now: training state may have grown
-            held = self.block_manager.num_blocks
-            # shrink to fit; grow only for a real gain (a new block manager costs ~1 us a block)
-            if num_blocks < held or num_blocks > held * 1.05:
-                self._make_cache(num_blocks)
-        self.block_manager.peak_used_blocks = self.block_manager.num_used_blocks
-        self.scheduler.num_preemptions = 0
-        bar = None
-        try:
-            requests = [self._add_request(i, list(p), sp)
-                        for i, (p, sp) in enumerate(zip(prompt_token_ids, sampling_params))]
-            if use_tqdm:
-                bar = tqdm(total=sum(len(r) for r in requests), desc="generating", unit="seq")
-            while not self.scheduler.is_finished():
-                done, _ = self.step()
-                if bar is not None and done:
-                    bar.update(len(done))
-        except BaseException:
-            self.scheduler.abort_all()  # leave the engine usable: no blocks held, no stale prefixes
-            self.block_manager.reset_prefix_cache()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        tokenizer = self.tokenizer
-        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None \
-            else (lambda ids: None)
-        return [RequestOutput(seqs[0].request_id, seqs[0].token_ids[:seqs[0].num_prompt_tokens],
-                              [CompletionOutput(s.sample_index, s.completion_token_ids, s.logprobs, s.finish_reason,
-                                                decode(s.completion_token_ids))
-                               for s in seqs], text)
-                for seqs, text in zip(requests, texts)]
-
-    def _tokenize(self, prompts) -> list[list[int]]:
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            raise ValueError("string prompts need a tokenizer: load the engine with LLM.from_pretrained(dir) from "
-                             "a directory holding one, or pass tokenizer=...; or give token ids")
-        return [tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in prompts]
-
-    def step(self) -> tuple[list[Sequence], bool]:
-        """One engine step: schedule, run the model, append the sampled tokens.
-        Returns (the sequences that finished, whether it was a prefill step)."""
-        seqs, is_prefill = self.scheduler.schedule()
-        seqs, tokens, logprobs = self.runner.step(seqs, is_prefill)
-        return self.scheduler.postprocess(seqs, tokens, logprobs), is_prefill
-
-    def _add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> list[Sequence]:
+            raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
+        if not self._requests:
+            self._start_batch()
         vocab = self.hf_config.vocab_size
         if not prompt:
             raise ValueError(f"prompt {request_id} is empty")
@@ -332,11 +269,119 @@ class LLM:
             self._next_seq_id += 1
             self.scheduler.add(seq)
             seqs.append(seq)
-        return seqs
+        self._requests[request_id] = seqs
+        return request_id
+
+    def _start_batch(self) -> None:
+        """The first request of an idle engine: size a cache that is to be allocated, reset the stats."""
+        if self._size_from_memory and self.runner.kv_cache is None:
+            num_blocks = self._num_kv_blocks()   # memory free now: training state may have grown
+            held = self.block_manager.num_blocks
+            # shrink to fit; grow only for a real gain (a new block manager costs ~1 us a block)
+            if num_blocks < held or num_blocks > held * 1.05:
+                self._make_cache(num_blocks)
+        self.block_manager.peak_used_blocks = self.block_manager.num_used_blocks
+        self.scheduler.num_preemptions = 0
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step (schedule, run the model, append the sampled tokens) over every
+        running sequence. Returns the requests that finished in this step (their last samples
+        ended in it), in the form generate() returns them; [] when there is nothing to run.
+        A step that fails drops every request (its KV may be half written) and forgets the
+        cached prefixes."""
+        if not self._requests:
+            return []
+        try:
+            seqs, is_prefill = self.scheduler.schedule()
+            seqs, tokens, logprobs = self.runner.step(seqs, is_prefill)
+            done = self.scheduler.postprocess(seqs, tokens, logprobs)
+        except BaseException:
+            self._abort_all()
+            raise
+        finished = []
+        for request_id in dict.fromkeys(seq.request_id for seq in done):   # once each, in order
+            if all(s.status == Status.FINISHED for s in self._requests[request_id]):
+                finished.append(self._request_output(self._requests.pop(request_id)))
+        return finished
+
+    def abort(self, request_id: Hashable) -> None:
+        """Drop an unfinished request: its samples leave the queue or the running batch and their
+        KV blocks are freed (its full blocks stay in the prefix cache for later requests)."""
+        if request_id not in self._requests:
+            raise KeyError(f"no unfinished request {request_id!r}")
+        self.scheduler.abort(self._requests.pop(request_id))
+
+    def has_unfinished(self) -> bool:
+        """Whether a request added is still waiting or running."""
+        return bool(self._requests)
+
+    def _abort_all(self) -> None:
+        self.scheduler.abort_all()
+        self.block_manager.reset_prefix_cache()   # blocks registered by a failed step hold no KV
+        self._requests.clear()
+
+    def _request_output(self, seqs: list[Sequence]) -> RequestOutput:
+        tokenizer = self.tokenizer
+
+        def text(ids: list[int]) -> str | None:
+            return None if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
+        first = seqs[0]
+        return RequestOutput(first.request_id, first.token_ids[:first.num_prompt_tokens],
+                             [CompletionOutput(s.sample_index, s.completion_token_ids, s.logprobs, s.finish_reason,
+                                               text(s.completion_token_ids)) for s in seqs])
+
+    # ---- a batch at once ----
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete each prompt `params.n` times; outputs in prompt order, request ids 0, 1, ...
+        A prompt is a string (tokenized with the engine's tokenizer, special tokens added as the
+        tokenizer does) or a list of token ids; one prompt may be given alone. The engine must
+        be idle (no request of add_request unfinished); after an error it is idle again, with
+        no cached prefixes."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        prompt_token_ids = self._tokenize(prompts) if any(t is not None for t in texts) else prompts
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompt_token_ids)
+        if len(sampling_params) != len(prompt_token_ids):
+            raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompt_token_ids)} prompts")
+        if self._requests:
+            raise RuntimeError(f"generate() with {len(self._requests)} requests of add_request unfinished: "
+                               "step() them to the end or abort() them first")
+        outputs: dict[int, RequestOutput] = {}
+        bar = None
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_token_ids, sampling_params)):
+                self.add_request(prompt, params, request_id=i)
+            if use_tqdm:
+                bar = tqdm(total=sum(params.n for params in sampling_params), desc="generating", unit="seq")
+            while self.has_unfinished():
+                for out in self.step():
+                    outputs[out.request_id] = out
+                    if bar is not None:
+                        bar.update(len(out.outputs))
+        except BaseException:
+            self._abort_all()  # leave the engine usable: no blocks held, no stale prefixes
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        for i, text in enumerate(texts):
+            outputs[i].prompt = text
+        return [outputs[i] for i in range(len(prompt_token_ids))]
+
+    def _tokenize(self, prompts) -> list[list[int]]:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("string prompts need a tokenizer: load the engine with LLM.from_pretrained(dir) from "
+                             "a directory holding one, or pass tokenizer=...; or give token ids")
+        return [tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in prompts]
 
     def stats(self) -> dict:
-        """KV usage of the last generate() call: blocks in the budget, peak blocks in use,
-        preemptions."""
+        """KV usage since the engine was last idle (for generate(): of that call): blocks in the
+        budget, peak blocks in use, preemptions."""
         bm = self.block_manager
         return {"num_kv_blocks": bm.num_blocks, "block_size": bm.block_size,
                 "peak_used_blocks": bm.peak_used_blocks, "num_preemptions": self.scheduler.num_preemptions}

@@ -65,8 +65,17 @@ class Scheduler:
             bm.append_slot(seq)
         return list(self.running), False
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop these sequences, waiting or running, and free their blocks."""
+        dropped = {id(s) for s in seqs}
+        for seq in self.running:
+            if id(seq) in dropped:
+                self.block_manager.deallocate(seq)
+        self.running = deque(s for s in self.running if id(s) not in dropped)
+        self.waiting = deque(s for s in self.waiting if id(s) not in dropped)
+
     def abort_all(self) -> None:
-        """Drop every sequence (after an error mid-generate) and free their blocks."""
+        """Drop every sequence (after a failed step) and free their blocks."""
         for seq in self.running:
             self.block_manager.deallocate(seq)
         self.running.clear()

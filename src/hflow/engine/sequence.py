@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -67,9 +68,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """All completions of one prompt, `outputs[j]` for sample j; `prompt` is the prompt's text
-    when it was given as a string."""
-    request_id: int
+    """All completions of one request, `outputs[j]` for sample j; `prompt` is the prompt's text
+    when generate() was given it as a string."""
+    request_id: Hashable
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     prompt: str | None = None
@@ -85,7 +86,7 @@ class Status(Enum):
 class Sequence:
     """One sample of one request: its tokens, its KV blocks and its random stream."""
     seq_id: int
-    request_id: int
+    request_id: Hashable
     sample_index: int
     token_ids: list[int]
     num_prompt_tokens: int

@@ -7,60 +7,18 @@ A plan is a dict role -> list of global ranks, passed to `cluster.spawn(..., ran
     split([["actor", "ref"], ["critic"]], 8, sizes=[6, 2])
 
 Colocated roles take turns on the same ranks (each call runs in controller order); split sets
-run concurrently on disjoint ranks. The automatic mapper (the paper's Algorithm 1: a search over
-groupings, sizes and parallel layouts with a simulator) is `hflow.placement.planner`;
-`python -m hflow.placement plan ...` runs it. A recipe turns its --trainer.placement flag into a
-plan with `resolve` (colocate, split, standalone, auto, or a SPEC like actor,ref:0-1;critic:2-3;
-see hflow.placement.spec), `auto` pricing hflow's own layouts (hflow.placement.fsdp).
+run concurrently on disjoint ranks. A recipe turns its --trainer.placement flag into a plan with
+`resolve` (colocate, split, standalone, auto, or a SPEC like actor,ref:0-1;critic:2-3; see
+hflow.placement.spec); `auto` (hflow.placement.auto, with the run's `job_of`) asks the planner,
+the paper's Algorithm 1 over hflow's own layouts, which is a package of its own: hflow.planner
+(`python -m hflow.planner plan ...`).
+
+- ranks.py: Placement, colocate, split.
+- spec.py: --trainer.placement: the named placements, SPEC parsing, `resolve`.
+- auto.py: --trainer.placement auto: a run's Job, the machine's profile, the planner's answer.
 """
-from __future__ import annotations
+from hflow.placement.auto import Job, job_of
+from hflow.placement.ranks import Placement, colocate, split
+from hflow.placement.spec import resolve
 
-from typing import Sequence
-
-
-class Placement(dict):
-    """role -> ranks. `plan.roles_on(rank)` inverts it."""
-
-    def roles_on(self, rank: int) -> list[str]:
-        return [role for role, ranks in self.items() if rank in ranks]
-
-    def __repr__(self):
-        return "Placement(" + ", ".join(f"{r}={v}" for r, v in self.items()) + ")"
-
-
-def colocate(roles: Sequence[str], world_size: int) -> Placement:
-    """Every role on every rank."""
-    return Placement({role: list(range(world_size)) for role in roles})
-
-
-def split(role_sets: Sequence[Sequence[str] | str], world_size: int,
-          sizes: Sequence[int] | None = None) -> Placement:
-    """Disjoint blocks of consecutive ranks, one per set of colocated roles.
-
-    `sizes` gives each set's rank count (default: as even as possible, earlier sets get the
-    extra ranks). With fewer ranks than sets, the sets cannot be disjoint: everything falls
-    back to colocation, so a recipe written for 8 ranks still runs on 1.
-    """
-    role_sets = [[s] if isinstance(s, str) else list(s) for s in role_sets]
-    all_roles = [role for s in role_sets for role in s]
-    if len(set(all_roles)) != len(all_roles):
-        raise ValueError(f"split: a role appears in two sets: {role_sets}")
-    if world_size < len(role_sets):
-        return colocate(all_roles, world_size)
-    if sizes is None:
-        base, extra = divmod(world_size, len(role_sets))
-        sizes = [base + (i < extra) for i in range(len(role_sets))]
-    sizes = list(sizes)
-    if len(sizes) != len(role_sets) or sum(sizes) != world_size or min(sizes) < 1:
-        raise ValueError(f"split: sizes {sizes} must give each of the {len(role_sets)} role "
-                         f"sets at least one rank and add up to {world_size}")
-    plan, start = Placement(), 0
-    for role_set, size in zip(role_sets, sizes):
-        for role in role_set:
-            plan[role] = list(range(start, start + size))
-        start += size
-    return plan
-
-
-from hflow.placement.spec import resolve  # noqa: E402  (they use Placement, colocate and split above)
-from hflow.placement.auto import Job, job_of  # noqa: E402
+__all__ = ["Placement", "colocate", "split", "resolve", "Job", "job_of"]

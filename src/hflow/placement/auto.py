@@ -1,10 +1,10 @@
 """--trainer.placement auto: the planner (HybridFlow Algorithm 1) over hflow's own layouts, with
 the profile of the machine the run is on.
 
-    job = job_of(cfg, model_dir, train, cluster.device_type)   # the models and one step's work
+    job = job_of(cfg, model_dir, train, actor_log_probs=False)   # the models and one step's work
     plan = resolve("auto", sets, cluster.world_size, algo="ppo", job=job)
 
-The profile: on CPU, this machine measured (hflow.placement.hardware.cpu_profile: matmul and
+The profile: on CPU, this machine measured (hflow.planner.hardware.cpu_profile: matmul and
 memory rates of one rank's threads, gloo between two processes, the cores the ranks share;
 ~5-20 s); on GPUs, the published profile named by `torch.cuda.get_device_name` (A100, H100,
 H200) with the device's memory. Every role is priced with the policy's shape (hflow's critics,
@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from hflow.placement import Placement
-from hflow.placement.fsdp import FSDPPlanner
-from hflow.placement.hardware import PROFILES, GiB, Hardware, cpu_profile
-from hflow.placement.models import ModelShape, Workload, dataflow, model_shape
-from hflow.placement.planner import Plan
-from hflow.placement.spec import ranks_text
+from hflow.placement.ranks import Placement
+from hflow.planner.fsdp import FSDPPlanner
+from hflow.planner.hardware import PROFILES, GiB, Hardware, cpu_profile
+from hflow.planner.models import ModelShape, Workload, dataflow, model_shape
+from hflow.planner.search import Plan, kind, ranks_text
 
 
 @dataclass(frozen=True)
@@ -37,22 +36,18 @@ class Job:
     actor_log_probs: bool = False   # the actor recomputes its old log-probs (else: the engine's)
 
 
-def job_of(cfg, model_dir: str, prompts, device_type: str) -> Job:
-    """The Job of a recipe's Config (its data, rollout and actor flags), the policy directory
-    and the training prompts (their mean length is the prompt length)."""
-    from hflow.workers import rollout_log_probs_exact
-
+def job_of(cfg, model_dir: str, prompts, actor_log_probs: bool) -> Job:
+    """The Job of a recipe's Config (its data, rollout and actor flags), the policy directory,
+    the training prompts (their mean length is the prompt length) and whether the actor
+    recomputes the old log-probs (hflow.recipe.OldLogProbs) instead of taking the engine's."""
     lengths = [len(ids) for ids in prompts.prompt_ids]
     actor, batch = cfg.actor, cfg.data.batch_size
     minibatches = batch // actor.mini_batch_size if actor.mini_batch_size else 1
     prompt_len = max(1, round(statistics.mean(lengths)))
     seq_len = prompt_len + cfg.rollout.max_tokens
-    old = getattr(getattr(cfg, "algo", None), "old_log_probs", "recompute")
     work = Workload(batch, prompt_len, cfg.rollout.max_tokens, cfg.rollout.n, actor.epochs * minibatches,
                     actor.max_tokens_per_micro_batch or actor.micro_batch_size * seq_len)
-    # where the engine's log-probs are exact (fp32) recipes take them (--algo.old-log-probs auto)
-    recompute = old == "recompute" or (old == "auto" and not rollout_log_probs_exact(actor, device_type))
-    return Job(model_shape(str(Path(model_dir) / "config.json")), work, cfg.rollout.tp_size, recompute)
+    return Job(model_shape(str(Path(model_dir) / "config.json")), work, cfg.rollout.tp_size, actor_log_probs)
 
 
 def machine_profile(device_type: str, world_size: int) -> Hardware:
@@ -104,16 +99,6 @@ def candidates(planner: FSDPPlanner, sets: list[list[str]]) -> list[Plan]:
     colocate, then split, then standalone."""
     preference = {"colocate": 0, "split": 1, "standalone": 2, "": 3}
     return sorted(planner.plan(), key=lambda p: (float(f"{p.step_time:.9g}"), preference[kind(p, sets)]))
-
-
-def kind(plan: Plan, sets: list[list[str]]) -> str:
-    """colocate, split (the recipe's sets), standalone, or '' for another grouping."""
-    groups = sorted(sorted(s.roles) for s in plan.sets)
-    if len(groups) == 1:
-        return "colocate"
-    if groups == sorted(sorted(s) for s in sets):
-        return "split"
-    return "standalone" if all(len(g) == 1 for g in groups) else ""
 
 
 def describe(plans: list[Plan], planner: FSDPPlanner, sets: list[list[str]], top: int = 8) -> list[str]:

@@ -5,7 +5,7 @@
     resolve("split", sets, 4, algo="ppo")                # actor+ref on 0-1, critic on 2-3
     resolve("standalone", sets, 4, algo="ppo")           # actor 0-1, ref 2, critic 3
     resolve("actor,ref:0-1;critic:2-3", sets, 4, algo="ppo")
-    resolve("auto", sets, 4, algo="ppo", job=job_of(cfg, model_dir, train, "cpu"))
+    resolve("auto", sets, 4, algo="ppo", job=job_of(cfg, model_dir, train, actor_log_probs=False))
 
 A SPEC lists colocated sets separated by `;`, each `role,role:ranks`, ranks a comma list of
 ranks and ranges (`0-1,4`). Sets must not share a rank, every role of the run must be in one
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from hflow.placement import Placement, colocate, split
+from hflow.placement.auto import auto_placement
+from hflow.placement.ranks import Placement, colocate, split
+from hflow.planner.search import ranks_text
 from hflow.validation import ConfigError
 
 FLAG = "--trainer.placement"
@@ -50,7 +52,6 @@ def resolve(spec: str, sets: Sequence[Sequence[str]], world_size: int, *, algo: 
                              f"--nproc-per-node {len(groups)} or more, or use colocate")
         return split(groups, world_size)
     if spec == "auto":
-        from hflow.placement.auto import auto_placement   # torch and the planner: only when asked
         return auto_placement(sets, world_size, algo=algo, job=job, device_type=device_type, log=log)
     if ":" not in spec:
         raise ConfigError(f"{FLAG} {spec!r}: unknown placement; choose {', '.join(NAMED)}, or a SPEC of "
@@ -64,11 +65,6 @@ def example(sets: list[list[str]], world_size: int) -> str:
         plan = split(sets, world_size)
         return ";".join(f"{','.join(s)}:{ranks_text(plan[s[0]])}" for s in sets)
     return f"{','.join(r for s in sets for r in s)}:{ranks_text(list(range(world_size)))}"
-
-
-def ranks_text(ranks: list[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
-        else ",".join(map(str, ranks))
 
 
 def parse_ranks(text: str, where: str) -> list[int]:

@@ -30,29 +30,6 @@ from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger("hflow.rewards")
 
-DEFAULT_RULE = "arithmetic"   # the built-in task's checker: what an empty --reward.fn means
-
-
-@dataclass
-class RewardConfig:
-    """How a rollout is scored: a rule (--reward.fn), a reward model in the loop (--reward.model),
-    or both, score = rule + w * rm. Held-out evaluation always uses the rule."""
-
-    fn: str = ""
-    """Rule score function: arithmetic, gsm8k, gsm8k_flexible, math, countdown, or 'package.module:function'; empty: arithmetic (the built-in task's checker), and with --reward.model no rule in the training score (evaluation still uses it)."""
-    model: str = ""
-    """Reward model in the loop: a Hugging Face sequence-classifier directory sharing the policy's tokenizer (e.g. from recipes/reward_model.py), or 'default': the embedded default's, trained on arithmetic pairs once and cached; empty: none."""
-    model_weight: float = 1.0
-    """w: the training score is w * rm, or rule + w * rm when --reward.fn is given too."""
-    model_max_tokens_per_micro_batch: int = 8192
-    """Token budget of one reward-model forward on one rank."""
-    num_workers: int = 4
-    """Worker processes that score responses (user functions and the math scorer run there)."""
-    timeout: float = 10.0
-    """Seconds one response may take to score; a slower one scores 0 and its worker is replaced."""
-    inline: Optional[bool] = None
-    """Score in the controller process: None = only the fast built-ins; True = always (no timeout; for debugging)."""
-
 
 @dataclass
 class ScoredBatch:
@@ -339,26 +316,3 @@ def score_batch(fn: Callable, responses: Sequence[str], ground_truths: Sequence,
         responses, ground_truths, extras = _check_inputs(responses, ground_truths, extras)
         return _collect([_score_one(fn, r, g, e) for r, g, e in zip(responses, ground_truths, extras)])
     return (pool or _shared_pool(num_workers)).score(fn, responses, ground_truths, extras, timeout)
-
-
-class Scorer:
-    """``RewardConfig``'s rule made callable: ``Scorer(cfg.reward)(responses, ground_truths, extras)``
-    (a reward model in the loop is hflow.recipe.Rewards' part)."""
-
-    def __init__(self, cfg: RewardConfig):
-        from hflow.rewards import get_reward_fn   # here: hflow.rewards imports this module
-        self.cfg = cfg
-        self.fn = get_reward_fn(cfg.fn or DEFAULT_RULE)
-        self._pool: Optional[RewardPool] = None
-
-    def __call__(self, responses: Sequence[str], ground_truths: Sequence,
-                 extras: Optional[Sequence[dict]] = None) -> ScoredBatch:
-        inline = self.cfg.inline if self.cfg.inline is not None else getattr(self.fn, "inline_safe", False)
-        if not inline and self._pool is None:
-            self._pool = RewardPool(self.cfg.num_workers)
-        return score_batch(self.fn, responses, ground_truths, extras, timeout=self.cfg.timeout,
-                           inline=inline, pool=self._pool)
-
-    def close(self):
-        if self._pool is not None:
-            self._pool.close()

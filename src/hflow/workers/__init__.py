@@ -5,7 +5,8 @@ Batches follow the layout documented in hflow/layout.py.
 from hflow.workers.actor import Actor, ActorConfig, Reference
 from hflow.workers.base import check_batch_sizes, is_on_policy, rollout_log_probs_exact
 from hflow.workers.critic import Critic, CriticConfig
-from hflow.workers.fsdp import FSDPConfig, OptimConfig
+from hflow.workers.fsdp import FSDPConfig
+from hflow.workers.optim import OptimConfig
 from hflow.workers.reward import RewardModel, RewardModelConfig
 from hflow.workers.rollout import RolloutConfig
 

@@ -5,6 +5,13 @@
     rollouts = rollouts | actor.log_probs(rollouts, 1.0)         # + old_log_probs [B, R]
     metrics = actor.update(rollouts, loss_fn)[0]                 # one dict per dp shard, all equal
 
+Several generation rounds on one set of loaded weights (workers/hybrid_engine.py):
+
+    actor.begin_rollout(rollout)                 # wake the engine, load the current weights
+    first = actor.sample(prompts, rollout)       # any number of rounds
+    second = actor.sample(next_prompts, rollout)
+    actor.end_rollout()                          # sleep; update and load are refused until then
+
 A loss function comes from the recipe and is called once per micro-batch:
 
     loss_fn(log_probs [b, r], micro_batch: Batch, entropy=None) -> (loss, metrics)
@@ -28,9 +35,11 @@ from hflow.faults import fault_point
 from hflow import layout
 from hflow.workers import packing
 from hflow.workers.log_probs import token_log_probs
+from hflow.workers.micro_batches import packed_row_tokens
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta, is_on_policy
-from hflow.workers.fsdp import build_model
-from hflow.workers.rollout import Rollout, RolloutConfig, prompt_token_lists, rollout_batch
+from hflow.workers.hf_model import build_model
+from hflow.workers.hybrid_engine import HybridEngine
+from hflow.workers.rollout import RolloutConfig, prompt_token_lists, rollout_batch
 
 
 @dataclass
@@ -44,7 +53,7 @@ class ActorConfig(TrainingConfig):
 class Actor(ModelWorker):
     """The policy: rollouts, log-probs, PPO-style updates, checkpoints."""
 
-    flag_prefix = "actor"
+    flag_prefix = metric_prefix = "actor"
     trainable = True
     output_key = "old_log_probs"
 
@@ -53,7 +62,7 @@ class Actor(ModelWorker):
             raise ValueError(f"--{self.flag_prefix}.model-path is required (a Hugging Face directory)")
         model = build_model(cfg.model_path, mesh, cfg.fsdp, "causal_lm", trainable=self.trainable)
         super().__init__(mesh, model, cfg, cfg.optim if self.trainable else None)
-        self.rollout = Rollout(mesh, model, cfg.model_path, cfg.fsdp) if self.trainable else None
+        self.hybrid_engine = HybridEngine(mesh, model, cfg.model_path, cfg.fsdp) if self.trainable else None
 
     def _log_probs(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
         """Per-token log-probs [b, R] of the responses, from one forward over the packed real
@@ -64,7 +73,7 @@ class Actor(ModelWorker):
         logp, entropy = token_log_probs(out.logits.squeeze(0), packed.targets, temperature, with_entropy)
         return packed.unpack(logp), None if entropy is None else packed.unpack(entropy)
 
-    @dispatch("dp", balance=True)
+    @dispatch("dp", balance=packed_row_tokens)
     @torch.no_grad()
     def log_probs(self, batch, temperature: float = 1.0, with_entropy: bool = False,
                   key: str | None = None) -> Batch:
@@ -81,7 +90,7 @@ class Actor(ModelWorker):
 
         return Batch(self.forward_rows(as_tensors(batch), forward))
 
-    @dispatch("dp", balance=True)
+    @dispatch("dp", balance=packed_row_tokens)
     def update(self, batch, loss_fn: Callable, temperature: float | None = None,
                with_entropy: bool = False, loss_agg: str = "token-mean") -> dict[str, float]:
         """Train on a batch: `cfg.epochs` passes, one optimizer step per mini-batch. The
@@ -95,6 +104,7 @@ class Actor(ModelWorker):
         A batch without `old_log_probs` is allowed for an on-policy update (one epoch, one
         mini-batch): the loss function then sees the detached current log-probs as the old
         ones (ratio exactly 1), which saves the forward pass that would compute them."""
+        self._refuse_while_rollout_open("actor.update")
         meta = batch_meta(batch)
         temperature = temperature if temperature is not None else meta.get("temperature", 1.0)
         tensors, n = as_tensors(batch), int(meta.get("n", 1))
@@ -113,22 +123,61 @@ class Actor(ModelWorker):
         fault_point("update")
         return self.train(tensors, n, loss_of, self.cfg.epochs, loss_agg)
 
-    @dispatch("dp")
-    def generate(self, prompts: Batch, rollout: RolloutConfig, with_greedy: bool = False) -> Batch:
-        """Sample `rollout.n` responses per prompt with the current weights, resharded into the
-        generation engine (tensor-parallel size rollout.tp_size). `prompts` has a `prompt_ids`
-        column (token-id lists) or left-padded `input_ids` + `attention_mask`; its other columns
-        are repeated n times. Returns the sequences in the layout of hflow/layout.py plus
-        `rollout_log_probs` and `finish_reason`, meta n and temperature. `with_greedy` adds a
-        greedy response per prompt from the same engine call (see rollout.split_greedy)."""
-        if self.rollout is None:
+    @dispatch("all")
+    def load(self, path: str) -> None:
+        """Resume from `save(path)` (ModelWorker.load); refused while a rollout is open."""
+        self._refuse_while_rollout_open("actor.load")
+        super().load(path)
+
+    def _refuse_while_rollout_open(self, action: str) -> None:
+        if self.hybrid_engine is not None:
+            self.hybrid_engine.check_closed(action)
+
+    def _hybrid_engine(self) -> HybridEngine:
+        if self.hybrid_engine is None:
             raise TypeError(f"{type(self).__name__} does not generate")
+        return self.hybrid_engine
+
+    @dispatch("all")
+    def begin_rollout(self, rollout: RolloutConfig) -> None:
+        """Wake the generation engine and load the current weights into it, resharded to its
+        tensor-parallel size rollout.tp_size; `sample` then generates on them any number of
+        times, until `end_rollout`. update and load are refused in between (the engine would
+        keep the old weights)."""
+        self._hybrid_engine().begin(rollout)
+
+    @dispatch("dp")
+    def sample(self, prompts: Batch, rollout: RolloutConfig, with_greedy: bool = False) -> Batch:
+        """Sample `rollout.n` responses per prompt on the weights begin_rollout loaded (the
+        engine's settings are begin_rollout's; the sampling fields and seed are this call's).
+        `prompts` has a `prompt_ids` column (token-id lists) or left-padded `input_ids` +
+        `attention_mask`; its other columns are repeated n times. Returns the sequences in the
+        layout of hflow/layout.py plus `rollout_log_probs` and `finish_reason`, meta n and
+        temperature. `with_greedy` adds a greedy response per prompt from the same engine call
+        (see rollout.split_greedy)."""
         token_lists = prompt_token_lists(prompts)
-        outputs = self.rollout.generate(token_lists, rollout, with_greedy)
+        outputs = self._hybrid_engine().sample(token_lists, rollout, with_greedy)
         config = self.model.config
         pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         return rollout_batch(prompts, token_lists, outputs, rollout.n, pad_id, self.mesh, rollout.temperature,
                              with_greedy)
+
+    @dispatch("all")
+    def end_rollout(self) -> None:
+        """Put the engine to sleep: its KV cache and (unless rollout.free_weights_when_asleep
+        is off) its weights are freed."""
+        self._hybrid_engine().end()
+
+    @dispatch("dp")
+    def generate(self, prompts: Batch, rollout: RolloutConfig, with_greedy: bool = False) -> Batch:
+        """begin_rollout, sample and end_rollout in one call: `rollout.n` responses per prompt
+        with the current weights (see sample)."""
+        engine = self._hybrid_engine()
+        engine.begin(rollout)
+        try:
+            return self.sample(prompts, rollout, with_greedy)
+        finally:
+            engine.end()
 
     @staticmethod
     def wrap(mb: dict[str, torch.Tensor], like):
@@ -141,8 +190,7 @@ class Actor(ModelWorker):
 class Reference(Actor):
     """The frozen initial policy: `log_probs` only (key ref_log_probs), no optimizer state."""
 
-    flag_prefix = "ref"
-    config_prefix = "actor"
+    metric_prefix = "ref"
     trainable = False
     output_key = "ref_log_probs"
 

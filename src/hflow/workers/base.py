@@ -26,9 +26,10 @@ from hflow import algos, measure
 from hflow.checkpoint import ModelState, export_hf, load_sharded, save_sharded
 from hflow.dispatch import dispatch
 from hflow import layout
+from hflow.parallel import device_of
 from hflow.workers import micro_batches
-from hflow.workers.fsdp import (FSDPConfig, OptimConfig, all_reduce_sum, build_optimizer, check_shard_size,
-                               clip_grad_norm_, device_of, mixed_precision, reshard)
+from hflow.workers.fsdp import FSDPConfig, check_shard_size, mixed_precision, reshard
+from hflow.workers.optim import OptimConfig, all_reduce_sum, build_optimizer, clip_grad_norm_
 
 
 @dataclass
@@ -121,16 +122,17 @@ def trainable_prompts(prompts: int, n: int, mini_batch_size: int, dp: int) -> in
 class ModelWorker:
     """An FSDP2 model on a 1-D data-parallel mesh, with an optional optimizer."""
 
-    flag_prefix = "actor"
-    config_prefix = None
-    """the flags of the config it is built from, when not its own (the Reference: the actor's)"""
+    flag_prefix: str
+    """the flags of the config it is built from, named in its errors (--actor.*: the Reference's too)"""
+    metric_prefix: str
+    """the prefix of its metrics (actor/loss, critic/grad_norm, ...)"""
 
     @classmethod
     def check_arguments(cls, ranks: int, cfg=None, *args, **kwargs) -> None:
         """Refuse a config that cannot run on `ranks` ranks, on the controller before any rank
         builds anything (Cluster.spawn calls it): one line, not a traceback from every rank."""
         shard_size = getattr(getattr(cfg, "fsdp", None), "shard_size", 0)
-        check_shard_size(shard_size, ranks, f"--{cls.config_prefix or cls.flag_prefix}.fsdp.shard-size", cls.__name__)
+        check_shard_size(shard_size, ranks, f"--{cls.flag_prefix}.fsdp.shard-size", cls.__name__)
 
     def __init__(self, mesh: DeviceMesh, model: torch.nn.Module, cfg, optim_cfg=None):
         self.mesh, self.model, self.cfg = mesh, model, cfg
@@ -233,9 +235,9 @@ class ModelWorker:
                 steps += 1
         metrics = {k: v / steps for k, v in totals.items()}
         metrics["lr"], metrics["skipped_steps"] = lr, float(skipped)
-        metrics = {f"{self.flag_prefix}/{k}": v for k, v in metrics.items()}
+        metrics = {f"{self.metric_prefix}/{k}": v for k, v in metrics.items()}
         if measure.counting_enabled():
-            metrics[f"comm/{self.flag_prefix}_received_MiB"] = measure.received_since_last_report() / 2**20
+            metrics[f"comm/{self.metric_prefix}_received_MiB"] = measure.received_since_last_report() / 2**20
         return metrics
 
     # ---- checkpoints -----------------------------------------------------------------------

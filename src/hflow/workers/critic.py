@@ -17,7 +17,9 @@ from hflow import layout
 from hflow.workers import packing
 from hflow.workers.actor import Actor
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta
-from hflow.workers.fsdp import OptimConfig, build_model
+from hflow.workers.hf_model import build_model
+from hflow.workers.micro_batches import packed_row_tokens
+from hflow.workers.optim import OptimConfig
 
 
 @dataclass
@@ -34,7 +36,7 @@ class CriticConfig(TrainingConfig):
 class Critic(ModelWorker):
     """`values(batch)` and `update(batch, loss_fn)` with loss_fn(values, micro_batch) -> (loss, metrics)."""
 
-    flag_prefix = "critic"
+    flag_prefix = metric_prefix = "critic"
 
     def __init__(self, mesh: DeviceMesh, cfg: CriticConfig, default_model_path: str = ""):
         path = cfg.model_path or default_model_path
@@ -48,14 +50,14 @@ class Critic(ModelWorker):
         out = self.model(**packed.model_inputs())
         return packed.unpack(out.logits[0, packed.predict_at, 0].float())
 
-    @dispatch("dp", balance=True)
+    @dispatch("dp", balance=packed_row_tokens)
     @torch.no_grad()
     def values(self, batch) -> Batch:
         """{"values": [B, R]}, 0 outside response_mask."""
         self.model.eval()
         return Batch(self.forward_rows(as_tensors(batch), lambda mb: {"values": self._values(layout.trim_padding(mb))}))
 
-    @dispatch("dp", balance=True)
+    @dispatch("dp", balance=packed_row_tokens)
     def update(self, batch, loss_fn: Callable, loss_agg: str = "token-mean") -> dict[str, float]:
         """Train on a batch (epochs x mini-batches as the Actor); loss_fn(values [b, r],
         micro_batch) -> (loss, metrics), aggregated as `loss_agg` (see Actor.update).

@@ -1,14 +1,15 @@
-"""FSDP2 set-up shared by every worker: build, shard, load, optimise.
+"""FSDP2 set-up shared by every worker: dtypes, meta-device init, shard sizes, sharding.
 
-The order is torchtitan's:
+A worker model is built (workers/hf_model.py) in torchtitan's order:
 
-1. build the `transformers` model with its parameters on the meta device (see params_on_meta);
+1. the `transformers` model with its parameters on the meta device (params_on_meta);
 2. optional activation checkpointing (transformers' own flag, so parameter names stay the
    Hugging Face names that checkpoints, the engine and the resharding use);
-3. `fully_shard` every decoder layer, then the root;
-4. `to_empty` allocates only this rank's shards; each rank then copies from the safetensors
-   files exactly the slice its DTensor shard covers (`safe_open(...).get_slice`), file by file,
-   so no rank ever holds a full copy of the model.
+3. `fully_shard` every decoder layer, then the root (shard_model), over groups of
+   shard-size ranks (resolve_shard_size);
+4. `to_empty` allocates only this rank's shards (materialize); each rank then copies from the
+   safetensors files exactly the slice its DTensor shard covers, so no rank ever holds a full
+   copy of the model.
 
 Row-parallel weights (`o_proj`, `down_proj`) are sharded by FSDP on dim 1 (their input dim)
 when it divides by the world size: the tensor-parallel engine splits them on dim 1 too, so
@@ -18,54 +19,21 @@ gather inside small groups (see hflow/reshard.py). The math of training does not
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal
 
 import torch
-import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
-                          AutoModelForTokenClassification)
+from torch.distributed.tensor import Shard
 
 from hflow.parallel import device_of, make_mesh
 from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
 from hflow.validation import ConfigError
-from hflow.workers.packing import register_attention
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass
-class OptimConfig:
-    """AdamW, learning-rate schedule and gradient clipping."""
-
-    lr: float = 1e-6
-    """peak learning rate"""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay"""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW (beta1, beta2)"""
-    eps: float = 1e-8
-    """AdamW epsilon"""
-    schedule: Literal["constant", "cosine"] = "constant"
-    """learning-rate schedule after the warm-up: constant, or cosine down to min_lr_ratio * lr"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warm-up from lr / warmup_steps to lr"""
-    total_steps: int = 0
-    """optimizer steps the cosine schedule spans (required for cosine)"""
-    min_lr_ratio: float = 0.0
-    """final learning rate of the cosine schedule, as a fraction of lr"""
-    grad_clip: float = 1.0
-    """clip gradients to this global L2 norm (0: no clipping, the norm is still reported)"""
 
 
 @dataclass
@@ -235,166 +203,3 @@ def materialize(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> None:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         owner._buffers[attr] = buf.to(device)
-
-
-def checkpoint_files(path: str) -> list[str]:
-    """The safetensors files of a Hugging Face directory: sharded with an index, or a single file."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, n) for n in names]
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
-                            "(only safetensors checkpoints are supported)")
-
-
-def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
-    """The index of the full tensor that this rank's shard of `param` covers."""
-    if not isinstance(param, DTensor):
-        return tuple(slice(0, s) for s in param.shape)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
-
-
-@torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str, ignore: Callable[[str], bool] = lambda name: False,
-                    allow_missing: Callable[[str], bool] = lambda name: False) -> None:
-    """Fill every (sharded) parameter from the safetensors files in `path`, reading only the
-    slice this rank owns. Checkpoint keys for which `ignore(key)` holds are skipped; model
-    parameters left unfilled are an error unless `allow_missing(name)`."""
-    params = dict(model.named_parameters())  # tied weights appear once
-    filled = set()
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                if ignore(key) or key not in params:
-                    continue
-                param = params[key]
-                local = param.to_local() if isinstance(param, DTensor) else param
-                if local.numel() > 0:
-                    local.copy_(f.get_slice(key)[local_slices(param)])
-                filled.add(key)
-    missing = [n for n in params if n not in filled and not allow_missing(n)]
-    if missing:
-        raise ValueError(f"{path}: the checkpoint has no weights for {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
-
-
-def build_optimizer(model: nn.Module, cfg: OptimConfig):
-    """AdamW and a LambdaLR schedule: linear warm-up, then constant or cosine.
-
-    lr(step) = lr * (step + 1) / warmup               for step < warmup
-             = lr                                     (constant)
-             = lr * (m + (1 - m) * (1 + cos(pi * p)) / 2),  p = (step - warmup) / (total - warmup)
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    # fused: one kernel per parameter instead of ~10 ops (CPU: 6x faster on the 25M model's shards)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay, fused=True)
-    if cfg.schedule == "cosine" and cfg.total_steps <= cfg.warmup_steps:
-        raise ValueError(f"--optim.schedule cosine needs --optim.total-steps ({cfg.total_steps}) "
-                         f"> --optim.warmup-steps ({cfg.warmup_steps})")
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def clip_grad_norm_(params: Iterator[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the gradients of (sharded) parameters; clip to `max_norm` if > 0.
-
-    ||g|| = sqrt(sum_ranks sum_shard g^2): the norm of DTensor gradients is a partial DTensor,
-    `full_tensor()` all-reduces it.
-    """
-    params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    if max_norm > 0 and torch.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
-
-
-def all_reduce_sum(values: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Sum a small float64 CPU tensor over the mesh (on the mesh's device, back to CPU)."""
-    out = values.to(device_of(mesh), torch.float64)
-    if mesh.size() > 1:
-        dist.all_reduce(out, group=mesh.get_group())
-    return out.cpu()
-
-
-def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causal_lm",
-                trainable: bool = True, head_init_seed: int = 0) -> nn.Module:
-    """A sharded `transformers` model loaded from the Hugging Face directory `path`.
-
-    kind: "causal_lm" (AutoModelForCausalLM), "value" (AutoModelForTokenClassification with one
-    label: a scalar per token) or "reward" (AutoModelForSequenceClassification, one label).
-    A "value" model built from a causal-LM checkpoint keeps the backbone and gets a new head,
-    normal(0, initializer_range) from `head_init_seed` (the same on every rank).
-    """
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{path!r} is not a Hugging Face model directory (no config.json)")
-    config = AutoConfig.from_pretrained(path)
-    config.use_cache = False
-    auto = {"causal_lm": AutoModelForCausalLM, "value": AutoModelForTokenClassification,
-            "reward": AutoModelForSequenceClassification}[kind]
-    if kind != "causal_lm":
-        config.num_labels = 1
-        config.classifier_dropout = 0.0   # unset, transformers' heads fall back to 0.1
-    without_dropout(config)
-    with params_on_meta():
-        # every pass of a worker runs on packed sequences (hflow/workers/packing.py)
-        model = auto.from_config(config, dtype=storage_dtype(cfg, device_of(mesh), trainable),
-                                 attn_implementation=register_attention())
-    for module in model.modules():   # any dropout the config does not name
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    model.requires_grad_(trainable)
-    shard_model(model, mesh, cfg)
-    materialize(model, mesh, cfg)
-
-    new_head = kind != "causal_lm" and _is_causal_lm_checkpoint(path)
-    load_hf_weights(model, path, ignore=lambda k: new_head and k.startswith("lm_head."),
-                    allow_missing=lambda n: new_head and n.startswith("score."))
-    if new_head:
-        _init_head(model.score, config.initializer_range, head_init_seed)
-    if not trainable:
-        model.eval()
-    return model
-
-
-def without_dropout(config) -> None:
-    """Set every dropout probability of a transformers config to 0 (attention_dropout,
-    hidden_dropout, resid_pdrop, embd_pdrop, classifier_dropout, ...).
-
-    RL needs the training pass to compute the policy that sampled: with dropout on, the ratio
-    pi/pi_old of the first on-policy step is not 1, and a value or reward model is noisy.
-    """
-    for name, value in vars(config).items():
-        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
-            setattr(config, name, 0.0)
-
-
-def _is_causal_lm_checkpoint(path: str) -> bool:
-    with open(os.path.join(path, "config.json")) as f:
-        archs = json.load(f).get("architectures") or []
-    return any(a.endswith("ForCausalLM") for a in archs)
-
-
-@torch.no_grad()
-def _init_head(head: nn.Linear, std: float, seed: int) -> None:
-    """Same values on every rank: draw the full (small) head, keep this rank's slice."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in head.named_parameters():
-        full = torch.zeros(param.shape) if name == "bias" else torch.randn(param.shape, generator=generator) * std
-        local = param.to_local() if isinstance(param, DTensor) else param
-        local.copy_(full[local_slices(param)])

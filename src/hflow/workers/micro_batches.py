@@ -53,6 +53,14 @@ def packed_tokens(tensors: dict[str, torch.Tensor], groups: torch.Tensor | None 
     return tokens - repeated * mask[:, :mask.shape[1] - R].sum(-1)
 
 
+def packed_row_tokens(batch) -> list[int]:
+    """The work of each row of a Batch for a training pass, the cost its dispatch balances the
+    shards by (`@dispatch("dp", balance=packed_row_tokens)`): packed_tokens, a shared prompt
+    counted once."""
+    return packed_tokens({k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")
+                          if k in batch}).tolist()
+
+
 def budget_groups(tensors: dict[str, torch.Tensor], max_tokens: int) -> torch.Tensor:
     """prompt_groups, with a group whose packed tokens exceed `max_tokens` (> 0) cut into runs of
     its rows that fit, each run carrying the prompt again: a micro-batch that keeps a group

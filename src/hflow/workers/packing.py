@@ -4,7 +4,7 @@ A micro-batch in the layout of hflow/layout.py is [b, P + R] with left-padded pr
 right-padded responses; run as it is, every matmul pays for b * (P + R) positions however
 short most rows are. `pack` concatenates the real tokens of the rows, shortest first, into one
 row of T tokens (positions restart at 0 for each sequence), and the attention function
-registered here (`ATTENTION`, which fsdp.build_model sets on every worker model) attends within
+registered here (`ATTENTION`, which hf_model.build_model sets on every worker model) attends within
 each sequence only, from index tensors passed through the model's forward as the keyword
 `hflow_packing`. The linear layers' work then follows the real tokens, and the LM head runs
 only where a log-prob is read (`predict_at`).

@@ -23,7 +23,8 @@ from hflow.dispatch import dispatch
 from hflow import layout
 from hflow.workers import packing
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors
-from hflow.workers.fsdp import OptimConfig, build_model
+from hflow.workers.hf_model import build_model
+from hflow.workers.optim import OptimConfig
 
 
 @dataclass
@@ -47,7 +48,7 @@ class RewardModelConfig(TrainingConfig):
 class RewardModel(ModelWorker):
     """`scores(batch) -> {"rm_scores": [B]}`; `update(pairs, loss_fn)` when trainable."""
 
-    flag_prefix = "rm"
+    flag_prefix = metric_prefix = "rm"
 
     def __init__(self, mesh: DeviceMesh, cfg: RewardModelConfig):
         if not cfg.model_path:

@@ -6,7 +6,7 @@ generic English; the model is a randomly initialised `Qwen2ForCausalLM` drawn fr
 Both are deterministic: the same seed gives byte-identical files.
 
     build_default("/tmp/m", size="default")          # config, safetensors, tokenizer, gen. config
-    path = default_model_dir("default")               # same, built once into a cache directory
+    path = default_model_dir("default")               # same, built once into the cache (cache.py)
     AutoModelForCausalLM.from_pretrained(path); AutoTokenizer.from_pretrained(path)
 
 Why Qwen2's pre-tokenizer: transformers 5.x reloads a tokenizer saved next to a `model_type`
@@ -18,23 +18,13 @@ one token, so the model sees numbers place by place.
 Token ids: 0 `<|endoftext|>` (pad), 1 `<|im_start|>`, 2 `<|im_end|>` (eos, ends an assistant
 turn as in Qwen2.5-Instruct), then the 256 byte tokens, then merges.
 """
-import dataclasses
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
-from hflow.data import DataConfig, PromptSampler, load_prompts
-from hflow.evaluation import evaluate
-from hflow.metrics import progress
-from hflow.recipe import nll_loss, supervised_batch
-from hflow.rewards import RewardConfig, Scorer
-from hflow.workers import Actor, ActorConfig, RolloutConfig
+from hflow.default.cache import build_once, cache_root
 
 # Bump when anything below changes what gets built: cached directories carry it in their name.
 FORMAT_VERSION = 1
@@ -203,83 +193,7 @@ def build_default(path, size: str = "default", seed: int = 0) -> Path:
 
 
 def default_model_dir(size: str = "default", seed: int = 0, cache_dir=None) -> Path:
-    """The default model's directory, built on first use into a cache (safe under many ranks).
-
-    The cache is `cache_dir`, else `$HFLOW_CACHE`, else `~/.cache/hflow`. The build goes to a
-    temporary directory renamed into place, so concurrent callers never see half a model.
-    """
-    root = Path(cache_dir or os.environ.get("HFLOW_CACHE") or Path.home() / ".cache" / "hflow")
-    final = root / f"default-{size}-seed{seed}-v{FORMAT_VERSION}"
-    if (final / "config.json").exists():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp", dir=root))
-    try:
-        build_default(tmp, size, seed)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").exists():   # lost the race to nobody: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-# ---------------------------------------------------------------- the warmed-up default policy
-
-# Bump whenever anything changes what the warm-up produces (its settings below, or code that changes
-# its numbers): the cached policy's directory carries it, so an old cache is not silently reused.
-WARM_UP_VERSION = 2
-
-
-def default_policy_dir(size: str = "default", seed: int = 0, stop_at: float = 0.5, cache_dir=None) -> Path:
-    """Where `default_policy` caches the warmed-up embedded default (the base model is built here
-    if it is not cached yet; the warm-up is not run)."""
-    base = default_model_dir(size, seed, cache_dir)
-    return base.with_name(f"{base.name}-sft{stop_at:g}-w{WARM_UP_VERSION}")
-
-
-def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float = 0.5,
-                   max_steps: int = 1500, cache_dir=None) -> Path:
-    """The embedded default policy: hflow's own small Qwen2 model, supervised on the built-in
-    arithmetic task until its greedy held-out accuracy reaches `stop_at` (RL gets almost no
-    signal from a policy that is never right). Built once and cached, like the model itself.
-
-    No gradient clipping: clipped at norm 1 (the RL default) the loss sits on a plateau near
-    10 % accuracy for ~800 steps; unclipped it leaves it after ~400 (500 steps in all to 0.5)."""
-    base = default_model_dir(size, seed, cache_dir)
-    final = default_policy_dir(size, seed, stop_at, cache_dir)
-    if (final / "config.json").exists():
-        return final
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    data = DataConfig(task="arithmetic", task_seed=seed)
-    train, val = load_prompts(data, tokenizer, "train"), load_prompts(data, tokenizer, "val")
-    optim = dataclasses.replace(ActorConfig().optim, lr=1e-3, warmup_steps=100, grad_clip=0.0)
-    cfg = ActorConfig(model_path=str(base), optim=optim, micro_batch_size=128)
-    actor = cluster.spawn(Actor, cfg)
-    print(f"warming up the embedded default model ({base.name}) until held-out accuracy {stop_at}"
-          f" (once; cached in {final})", flush=True)
-    scorer = Scorer(RewardConfig(fn="arithmetic"))
-    # supervised on prompt -> answer, checked every 25 steps on 200 held-out prompts (greedy)
-    sampler = PromptSampler(train, 128, shuffle=True, seed=seed)
-    rollout = RolloutConfig(n=1, temperature=1.0, max_tokens=5, progress=False)
-    reward, bar = float("nan"), progress(total=max_steps, desc="sft")
-    for step in range(1, max_steps + 1):
-        metrics = actor.update(supervised_batch(next(sampler), tokenizer), nll_loss)[0]
-        bar.update(1)
-        if step % 25 == 0 or step == max_steps:
-            reward = evaluate(actor, val, tokenizer, scorer, rollout, 200, sampled=False).get("eval/reward_mean", reward)
-            print(f"sft step {step}: loss {metrics['actor/loss']:.4f}, held-out greedy reward {reward:.3f}")
-            if reward >= stop_at:
-                break
-    bar.close()
-    scorer.close()
-    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-    actor.export_hf(str(tmp), str(base))
-    actor.close()   # the recipe spawns its own workers on the warmed-up policy
-    if reward < stop_at:
-        raise RuntimeError(f"the warm-up reached held-out accuracy {reward:.3f} < {stop_at} in {max_steps} steps")
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    return final
+    """The default model's directory, built on first use into the cache (safe under many ranks
+    and runs: cache.build_once)."""
+    final = cache_root(cache_dir) / f"default-{size}-seed{seed}-v{FORMAT_VERSION}"
+    return build_once(final, lambda tmp: build_default(tmp, size, seed))

@@ -1,14 +1,12 @@
-"""The single controller: torchrun bootstrap, worker groups, futures, failure and shutdown.
+"""The single controller: worker groups, their calls as futures, failure and shutdown.
 
     def main(cluster: hflow.Cluster, cfg):            # runs on rank 0 only
         critic = cluster.spawn(Critic, cfg.critic, ranks=[2, 3])
         values = critic.values(batch)                   # blocks; dispatched by @dispatch
         pending = critic.update.future(batch)           # returns at once; .result() waits
-    hflow.launch(main, cfg)                             # every rank runs this line
 
-Every rank runs `launch`: it joins the default process group (gloo on CPU; gloo for CPU
-tensors + NCCL for CUDA ones on GPUs, device = LOCAL_RANK) and RPC; rank 0 then runs
-`main(cluster, cfg)` while the other ranks serve calls (see server.py) until rank 0 is done.
+`hflow.launch` (launcher.py) starts the ranks and hands rank 0 a Cluster; the other ranks serve
+its calls (server.py), in the order rank 0 issued them.
 
 Failure model: the first error anywhere (a worker raised, a rank stopped answering) fails the
 call that hit it and every other pending or later call with a `RemoteError` naming the rank and
@@ -29,28 +27,21 @@ import concurrent.futures
 import copy
 import dataclasses
 import itertools
-import json
 import os
-import socket
-import sys
 import threading
 import time
 import traceback
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
-import tyro
 
 from . import transport
 from .batch import Batch
 from .dispatch import RankGrid, balances, gather, mode_of, scatter
-from .parallel import pick_device, set_device
-from .validation import ConfigError, UserError, check_config, notices, prepare_output_dir
 from .server import Call, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
 
 
-def _env_float(name: str, default: float) -> float:
+def env_float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
 
@@ -109,7 +100,7 @@ class Future:
 class RemoteMethod:
     """`group.method(*args)` blocks; `group.method.future(*args)` returns a Future."""
 
-    def __init__(self, group: "WorkerGroup", name: str, mode: str, balance: bool = False):
+    def __init__(self, group: "WorkerGroup", name: str, mode: str, balance: Callable | None = None):
         self.group, self.name, self.mode, self.balance = group, name, mode, balance
 
     def __call__(self, *args, **kwargs):
@@ -282,8 +273,8 @@ class Cluster:
 
     # ---- liveness --------------------------------------------------------------------------
     def _heartbeat(self) -> None:
-        interval = _env_float("HFLOW_HEARTBEAT_S", 2.0)
-        timeout = _env_float("HFLOW_PEER_TIMEOUT_S", 10.0)
+        interval = env_float("HFLOW_HEARTBEAT_S", 2.0)
+        timeout = env_float("HFLOW_PEER_TIMEOUT_S", 10.0)
         while not self._closing.wait(interval):
             pings = {}
             for rank in range(self.world_size):
@@ -309,7 +300,7 @@ class Cluster:
                                            f"heartbeats; {doing}"))
                     # main gets the error from the call it waits on; if it is not waiting on
                     # any, end the run anyway after a grace period
-                    threading.Timer(_env_float("HFLOW_ABORT_GRACE_S", 5.0), self._abort,
+                    threading.Timer(env_float("HFLOW_ABORT_GRACE_S", 5.0), self._abort,
                                     (f"rank {rank} is unreachable",)).start()
                     return
 
@@ -369,149 +360,3 @@ def _private_copy(x):
     if type(x) is dict:
         return {k: _private_copy(v) for k, v in x.items()}
     return copy.deepcopy(x)
-
-
-def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
-    """Run `main(cluster, cfg)` on rank 0 with every other rank serving it. Call it on every
-    rank (under torchrun; without it, runs as a single rank). Returns main's result on rank 0
-    and None on the others; any failure ends every rank with exit status 1.
-
-    `cfg` may be the recipe's Config class: rank 0 then parses the command line with tyro and
-    checks every flag (hflow.validation) before anything loads, and a bad flag ends the run
-    with one message on rank 0 and status 2 (`--help` prints once and ends with 0); the other
-    ranks leave quietly."""
-    _default_env()
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _loopback_if_single_node(world_size)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    wanted = os.environ.get("HFLOW_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
-    device = pick_device(wanted, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-                         torch.cuda.device_count() if wanted.strip().lower() != "cpu" else 0)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        backend = "gloo"
-    set_device(device)
-    dist.init_process_group(backend)
-    cfg = _parse_and_check(cfg, rank)
-    peers = [None] * world_size   # (host, pid) of every rank: a frozen rank is ended by its finder
-    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
-    server = Server(rank, device)
-    transport.start(rank, world_size, server.handle)
-
-    if rank != 0:
-        server.serve(_env_float("HFLOW_CONTROLLER_TIMEOUT_S", 15.0), controller=peers[0])
-        _leave()
-        return None
-
-    cluster = Cluster(world_size, device, server, dict(enumerate(peers)))
-    try:
-        try:
-            result = main(cluster, cfg)
-        except SystemExit as e:   # sys.exit(0) in main is a normal end
-            if e.code not in (None, 0):
-                raise
-            result = None
-        cluster._close()
-    except UserError as e:   # e.g. a flag found wrong in main: the message is the story, no traceback
-        _print_config_error(e)
-        try:
-            cluster._close()       # the other ranks leave quietly, with status 0
-            _leave()
-        except BaseException:
-            cluster._abort("stopped (see rank 0's message)", code=e.exit_code)
-        hard_exit(e.exit_code)
-    except BaseException as e:   # KeyboardInterrupt too: every rank must go
-        traceback.print_exc()
-        first_line = (str(e).splitlines() or [""])[0].split("; its traceback")[0]
-        cluster._abort(f"the controller failed: {type(e).__name__}: {first_line}")
-    _leave()
-    return result
-
-
-def _parse_and_check(cfg, rank: int):
-    """The Config class parsed from the command line and checked, on rank 0 only; the verdict
-    is broadcast, so that every rank ends together on a bad flag or --help."""
-    if cfg is None or not (isinstance(cfg, type) or dataclasses.is_dataclass(cfg)):
-        return cfg
-    verdict = [None]   # None: go on; else the exit status
-    if rank == 0:
-        try:
-            if isinstance(cfg, type):
-                cfg = tyro.cli(cfg, description=_description())
-            check_config(cfg)
-            for line in notices(cfg):
-                log(f"note: {line}")
-            if hasattr(cfg, "trainer"):
-                prepare_output_dir(cfg.trainer)
-        except SystemExit as e:    # tyro printed the usage error or the help
-            verdict = [e.code if isinstance(e.code, int) else 2]
-            if verdict[0] != 0:
-                _record_for_torchrun("bad command-line flags (tyro's message above)")
-        except ConfigError as e:
-            _print_config_error(e)
-            verdict = [2]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(verdict[0] if rank == 0 else 0)
-    return cfg
-
-
-def _description() -> str:
-    """--help: the recipe's docstring, and where the ranks come from."""
-    doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
-    return (doc + "\n\n" if doc else "") + (
-        "Ranks: `torchrun --nproc-per-node N` starts N ranks (rank 0 runs the recipe, the others serve "
-        "its calls); `python recipes/<recipe>.py` runs it as a single process, handy with breakpoint().")
-
-
-def _print_config_error(e: UserError) -> None:
-    lines = str(e).splitlines()
-    log("\n".join(f"error: {line}" for line in lines))
-    _record_for_torchrun(lines[0] if len(lines) == 1 else f"{len(lines)} bad flags, first: {lines[0]}")
-
-
-def _record_for_torchrun(message: str) -> None:
-    """torchrun prints a failed rank's error file in its summary ('traceback : ...'): put the
-    message there instead of 'N/A' (TORCHELASTIC_ERROR_FILE is set by torchrun's agent)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {
-                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
-
-
-def _leave() -> None:
-    try:
-        transport.stop(graceful=True)
-        dist.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        hard_exit(1)
-
-
-def _loopback_if_single_node(world_size: int) -> None:
-    """A run on one host talks over loopback only: gloo, NCCL's bootstrap and RPC bind to `lo`
-    unless the user chose an interface. Their default is the interface the host name resolves
-    to, which on most machines is reachable from the network, and the RPC agent executes what
-    it is sent (see the README's trust model). Multi-node runs keep the defaults (set
-    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / TP_SOCKET_IFNAME to the cluster's interface)."""
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size:
-        return
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
-        os.environ.setdefault(var, "lo")
-
-
-def _default_env() -> None:
-    """Outside torchrun, be a world of one."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))

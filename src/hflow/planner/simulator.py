@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hflow.placement.hardware import Hardware
-from hflow.placement.models import Model, Workload
+from hflow.planner.hardware import Hardware
+from hflow.planner.models import Model, Workload
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
     planner = Planner(dataflow("ppo", shapes), Workload(1024, 1024, 1024), PROFILES["a100"], 128)
     plans = planner.plan()          # the best allocation of every set partition, fastest first
     plans[0].placement()            # role -> ranks, as hflow.placement.split builds
+    kind(plans[0], [["actor", "ref"], ["critic", "reward"]])   # 'colocate', 'split', 'standalone' or ''
 
 1. Partition the models into colocated sets, every way there is (Bell numbers: 15 for PPO's
    four models, 203 for Safe-RLHF's six).
@@ -21,17 +22,16 @@
    colocated models take turns, sets run a stage's calls concurrently. On a CPU the ranks of
    concurrent sets share the cores (`shared_stage_time`).
 
-`FSDPPlanner` (hflow.placement.fsdp) runs the same search over the layouts hflow itself runs.
+`FSDPPlanner` (hflow.planner.fsdp) runs the same search over the layouts hflow itself runs.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from hflow.placement import Placement
-from hflow.placement.hardware import Hardware
-from hflow.placement.models import Dataflow, Model, Workload
-from hflow.placement.simulator import (
+from hflow.planner.hardware import Hardware
+from hflow.planner.models import Dataflow, Model, Workload
+from hflow.planner.simulator import (
     Parallel, activation_bytes, generate_time, generation_extra_bytes, infer_time, kv_bytes_per_token,
     reshard_time, state_bytes, train_time)
 
@@ -98,8 +98,25 @@ class Plan:
     def name(self) -> str:
         return " | ".join("+".join(s.roles) for s in self.sets)
 
-    def placement(self) -> Placement:
-        return Placement({role: ranks for s, ranks in zip(self.sets, self.ranks) for role in s.roles})
+    def placement(self) -> dict[str, list[int]]:
+        """role -> ranks, a plain dict: hflow.placement builds on the planner, not the reverse."""
+        return {role: ranks for s, ranks in zip(self.sets, self.ranks) for role in s.roles}
+
+
+def kind(plan: Plan, sets: list[list[str]]) -> str:
+    """colocate, split (the recipe's sets), standalone, or '' for another grouping."""
+    groups = sorted(sorted(s.roles) for s in plan.sets)
+    if len(groups) == 1:
+        return "colocate"
+    if groups == sorted(sorted(s) for s in sets):
+        return "split"
+    return "standalone" if all(len(g) == 1 for g in groups) else ""
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2] -> '0-2', [0, 2] -> '0,2': ranks as --trainer.placement's SPEC writes them."""
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
+        else ",".join(map(str, ranks))
 
 
 def step_cost(sets: list[SetPlan], cores: int = 0, background: float = 0.0) -> tuple[float, ...]:
@@ -213,7 +230,7 @@ class Planner:
             self._options[key] = options
         return self._options[key]
 
-    # the simulator's terms for Megatron layouts (hflow.placement.fsdp prices hflow's own)
+    # the simulator's terms for Megatron layouts (hflow.planner.fsdp prices hflow's own)
     def train_parts(self, model: Model, par: Parallel) -> dict[str, float]:
         return train_time(model, par, self.work, self.hw)
 

@@ -1,17 +1,17 @@
-"""python -m hflow.placement plan: the placement with the fastest simulated RL step.
+"""python -m hflow.planner plan: the placement with the fastest simulated RL step.
 
-    python -m hflow.placement plan --gpus 128 --gpus-per-node 8 --gpu-memory 80 --gpu a100 \\
+    python -m hflow.planner plan --gpus 128 --gpus-per-node 8 --gpu-memory 80 --gpu a100 \\
       --actor 13B --critic 13B --reference 13B --reward 13B --algo ppo --batch 1024 \\
       --prompt-len 1024 --response-len 1024
-    python -m hflow.placement plan --gpu cpu --gpus 4 --actor path/to/config.json --algo grpo ...
-    python -m hflow.placement plan --layouts hflow ...       # as --trainer.placement auto prices a run
+    python -m hflow.planner plan --gpu cpu --gpus 4 --actor path/to/config.json --algo grpo ...
+    python -m hflow.planner plan --layouts hflow ...       # as --trainer.placement auto prices a run
 
 Prints the chosen placement (its sets, their devices, each model's (p, t, d) for training and
 for generation), its seconds per stage and per step, and the runners-up: colocate, split,
 standalone and the best of the other partitions. Roles the algorithm has but the command
 doesn't size take the actor's size; `--reference none` (or reward, for GRPO/PPO) drops one.
 `--layouts megatron` (default) searches the paper's (p, t, d); `hflow` the layouts hflow runs:
-FSDP2 over each set's ranks and the engine at --generation-tp (hflow.placement.fsdp). On
+FSDP2 over each set's ranks and the engine at --generation-tp (hflow.planner.fsdp). On
 `--gpu cpu` the ranks are planned with one thread each, as torchrun starts them.
 """
 from __future__ import annotations
@@ -21,19 +21,17 @@ import dataclasses
 import sys
 import time
 
-from hflow.placement.hardware import PROFILES, GiB, cpu_profile
-from hflow.placement.models import ALGORITHMS, Workload, dataflow, model_shape
-from hflow.placement.auto import kind as placement_kind
-from hflow.placement.fsdp import FSDPPlanner
-from hflow.placement.planner import Plan, Planner
-from hflow.placement.spec import ranks_text
+from hflow.planner.fsdp import FSDPPlanner
+from hflow.planner.hardware import PROFILES, GiB, cpu_profile
+from hflow.planner.models import ALGORITHMS, Workload, dataflow, model_shape
+from hflow.planner.search import Plan, Planner, kind as grouping_kind, ranks_text
 
 ROLE_FLAGS = {"actor": "actor", "critic": "critic", "ref": "reference", "reward": "reward",
               "cost": "cost", "cost_critic": "cost-critic"}
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m hflow.placement", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hflow.planner", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="search placements (HybridFlow Algorithm 1) and print the best")
     plan.add_argument("--algo", default="ppo", choices=list(ALGORITHMS))
@@ -77,7 +75,7 @@ def hardware(args):
 
 def kind(plan: Plan, roles: list[str]) -> str:
     """colocate, split (actor + reference | the others, as the recipes split), standalone or ''."""
-    return placement_kind(plan, [["actor", "ref"], [r for r in roles if r not in ("actor", "ref")]])
+    return grouping_kind(plan, [["actor", "ref"], [r for r in roles if r not in ("actor", "ref")]])
 
 
 def par_text(par) -> str:

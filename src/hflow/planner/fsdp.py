@@ -4,7 +4,7 @@
                           micro_batch_tokens=8192), cpu_profile(4), 4, generation_tp=1)
     planner.plan()[0].placement()        # role -> ranks
 
-The paper's planner (hflow.placement.planner) searches Megatron's (p, t, d). hflow trains every
+The paper's planner (hflow.planner.search) searches Megatron's (p, t, d). hflow trains every
 model with FSDP2 over its set's n ranks (every parameter sharded n ways; the layout is (1, 1, n))
 and generates with the actor's engine in tp_g x (n / tp_g), tp_g = --rollout.tp-size. Per call:
 
@@ -18,7 +18,7 @@ and generates with the actor's engine in tp_g x (n / tp_g), tp_g = --rollout.tp-
   per micro-batch, or one per call where the weights stay gathered (CPU).
 - generation: the actor's weights go from the FSDP shard (1/n) to the engine's (1/tp_g), each
   rank receiving (1/tp_g - 1/n) of them, one redistribute per parameter tensor; then the
-  roofline decode of hflow.placement.simulator.generate_time on (1, tp_g, n / tp_g).
+  roofline decode of hflow.planner.simulator.generate_time on (1, tp_g, n / tp_g).
 
 Every collective of a set of n ranks makes each rank receive (n - 1)/n of the gathered bytes
 (ring) at the profile's link bandwidth, plus its latency once per collective: one per FSDP unit
@@ -33,7 +33,7 @@ ranks instead (hflow's default there, hflow.workers.fsdp.resolve_shard_size): no
 no resharding, the gradients all-reduced, the whole state on every rank.
 
 On a CPU (`hw.cores`), ranks share the machine's cores: `step_cost` shares them among a
-stage's busy ranks (hflow.placement.planner.shared_stage_time), so that 4 colocated ranks on
+stage's busy ranks (hflow.planner.search.shared_stage_time), so that 4 colocated ranks on
 2 cores take twice as long as 2, and sets on ranks of their own run side by side only as far
 as there are cores for them.
 """
@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import math
 
-from hflow.placement.hardware import Hardware
-from hflow.placement.models import Dataflow, Model, Workload
-from hflow.placement.planner import Planner
-from hflow.placement.simulator import Parallel, forward_flops
+from hflow.planner.hardware import Hardware
+from hflow.planner.models import Dataflow, Model, Workload
+from hflow.planner.search import Planner
+from hflow.planner.simulator import Parallel, forward_flops
 
 ADAM_BYTES = 28      # fp32 Adam: read weight, gradient, m, v; write weight, m, v
 LOGIT_CHUNK = 1024   # hflow computes log-probs over 1024 positions at a time

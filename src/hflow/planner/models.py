@@ -45,11 +45,6 @@ class ModelShape:
     def head_params(self, value_head: bool) -> int:
         return self.hidden if value_head else self.vocab * self.hidden
 
-    def matmul_params(self, value_head: bool = False) -> int:
-        """Weights every token multiplies with (2 FLOPs each): the layers and the output head;
-        the input embedding is a lookup."""
-        return self.layers * self.layer_matmul_params() + self.head_params(value_head)
-
     def params(self, value_head: bool = False) -> int:
         norms = (2 * self.layers + 1) * self.hidden
         embedding = self.vocab * self.hidden
@@ -123,7 +118,7 @@ class Dataflow:
 class Workload:
     """One RL step: `batch` prompts, `samples` responses each, every sequence `prompt_len` +
     `response_len` tokens (the paper forces the response length), `updates` optimizer steps
-    (mini-batches x epochs) per training stage. hflow's layouts (hflow.placement.fsdp) cut a
+    (mini-batches x epochs) per training stage. hflow's layouts (hflow.planner.fsdp) cut a
     rank's share of a mini-batch into micro-batches of `micro_batch_tokens` (0: one)."""
     batch: int
     prompt_len: int

@@ -1,0 +1,91 @@
+"""The training score of a rollout: a rule (--reward.fn), a reward model in the loop
+(--reward.model), or both.
+
+    sets = [["actor", ...], reward_roles(cfg.reward)]                  # "reward": a role to place
+    rewards = Rewards(cluster, cfg.reward, tokenizer, reward_model_dir, placement.get("reward"))
+    scores, metrics = rewards(batch)   # reward/mean; with a model also reward/rule_mean, reward/rm_mean, reward/rm_std
+    scores, metrics = score(batch, tokenizer, rewards.rule)            # the rule alone (held-out evaluation)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from hflow.batch import Batch
+from hflow.rewards import RewardConfig, Scorer
+from hflow.texts import response_texts
+from hflow.workers import RewardModel, RewardModelConfig
+
+
+def reward_roles(reward: RewardConfig) -> list[str]:
+    """["reward"] when a reward model is in the loop (a role to place like any model), else []."""
+    return ["reward"] if reward.model else []
+
+
+def score(batch: Batch, tokenizer, rule: Scorer) -> tuple[torch.Tensor, dict]:
+    """One rule score per sequence of a rollout Batch, and the scorer's metrics (reward/*)."""
+    scored = rule(response_texts(batch, tokenizer), batch["ground_truth"], batch["extra"])
+    return torch.tensor(scored.scores, dtype=torch.float32), scored.metrics
+
+
+class Rewards:
+    """The training score of a rollout: the rule (--reward.fn) alone; with a reward model
+    (`model_dir`, spawned here on `ranks`) w * rm, or rule + w * rm when --reward.fn is given
+    too. The rule is always computed: it is logged, and held-out evaluation uses it
+    (`rewards.rule`)."""
+
+    def __init__(self, cluster, cfg: RewardConfig, tokenizer, model_dir: str | None = None, ranks=None):
+        self.cfg, self.tokenizer, self.rule = cfg, tokenizer, Scorer(cfg)
+        self.model = None
+        self.equal_batches = 0   # batches so far whose responses all scored alike (the first few only)
+        if model_dir:
+            rm_cfg = RewardModelConfig(model_path=str(model_dir), max_tokens_per_micro_batch=cfg.model_max_tokens_per_micro_batch)
+            self.model = cluster.spawn(RewardModel, rm_cfg, ranks=ranks)
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """One training score per sequence of a rollout Batch, and the metrics (reward/*)."""
+        # the reward model works on its ranks while the controller applies the rule
+        pending = self.model.scores.future(batch.select("input_ids", "attention_mask", "response_mask")) \
+            if self.model else None
+        rule, metrics = score(batch, self.tokenizer, self.rule)
+        if pending is None:
+            self.warn_if_no_signal(rule)
+            return rule, metrics
+        rm = pending.result()["rm_scores"]
+        scores = self.cfg.model_weight * rm + (rule if self.cfg.fn else 0.0)
+        self.warn_if_no_signal(scores)
+        metrics["reward/rule_mean"] = metrics.pop("reward/mean")
+        return scores, metrics | {"reward/mean": scores.mean().item(), "reward/rm_mean": rm.mean().item(),
+                                  "reward/rm_std": rm.std().item() if len(rm) > 1 else 0.0}
+
+    def warn_if_no_signal(self, scores: torch.Tensor, first: int = 3) -> None:
+        """Say so when every response of each of the first `first` batches scored the same: the
+        advantages are all 0 and nothing is learned, which looks like a broken reward function
+        but is usually the prompts."""
+        if self.equal_batches < 0 or len(scores) == 0:
+            return
+        if scores.min() != scores.max():
+            self.equal_batches = -1          # a signal came: never warn
+            return
+        self.equal_batches += 1
+        if self.equal_batches == first:
+            print(f"hflow: warning: every response scored {scores[0].item():g} in each of the first {first} "
+                  f"batches, so every advantage is 0 and GRPO/PPO learn nothing. Likely causes: prompts in a "
+                  f"format the model does not know (the embedded default wants bare '27+82=' prompts, not a "
+                  f"chat template: drop --data.chat), --rollout.max-tokens too short to finish an answer, or "
+                  f"a --data.answer-key column that is not the answer --reward.fn expects.", flush=True)
+
+    def close(self) -> None:
+        self.rule.close()
+
+
+def check_same_tokenizer(path, tokenizer, flag: str = "--reward.model") -> None:
+    """A reward (or cost) model scores the policy's token ids: its tokenizer (when its
+    directory has one) must be the policy's."""
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return
+    if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"{flag} {path}: its tokenizer is not the policy's; a reward model scores "
+                         "the policy's token ids, so it must be trained with the policy's tokenizer")

@@ -1,0 +1,34 @@
+"""Between prompt rows, texts and Batches: what every recipe sends to the actor and reads back.
+
+    prompts = prompt_batch(next(sampler))          # rows -> the Batch Actor.generate takes
+    texts = response_texts(rollouts, tokenizer)    # the sampled responses as text
+    batch = supervised_batch(rows, tokenizer)      # prompt + ground truth as the target completion
+"""
+from __future__ import annotations
+
+from hflow.batch import Batch
+from hflow.data import Prompt
+from hflow.layout import sequence_tensors
+
+
+def prompt_batch(prompts: list[Prompt]) -> Batch:
+    """The rows a sampler yields, as the Batch `Actor.generate` takes (ids + ground truths)."""
+    return Batch({"prompt_ids": [p.prompt_ids for p in prompts],
+                  "ground_truth": [p.ground_truth for p in prompts],
+                  "extra": [p.extra for p in prompts]})
+
+
+def response_texts(batch: Batch, tokenizer) -> list[str]:
+    """The sampled responses as text, special tokens (EOS) dropped."""
+    lengths = batch["response_mask"].sum(1).long().tolist()
+    ids = [row[:n].tolist() for row, n in zip(batch["responses"], lengths)]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def supervised_batch(prompts: list[Prompt], tokenizer) -> Batch:
+    """Prompt + its ground truth as the target completion (ending with EOS), in the layout the
+    Actor trains on."""
+    targets = [tokenizer.encode(str(p.ground_truth), add_special_tokens=False) + [tokenizer.eos_token_id]
+               for p in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return Batch(sequence_tensors([p.prompt_ids for p in prompts], targets, pad), meta={"n": 1})

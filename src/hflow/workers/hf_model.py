@@ -1,0 +1,139 @@
+"""A Hugging Face directory as a sharded worker model: build on the meta device, shard, then
+fill each rank's shards from the safetensors files, reading only the slices it owns.
+
+The steps and their order are in workers/fsdp.py; here: which transformers class (a causal LM,
+a value model, a reward model), dropout off, a new head for a value or reward model started
+from a causal LM, and the loading itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification)
+
+from hflow.parallel import device_of
+from hflow.workers.fsdp import FSDPConfig, materialize, params_on_meta, shard_model, storage_dtype
+from hflow.workers.packing import register_attention
+
+
+def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causal_lm",
+                trainable: bool = True, head_init_seed: int = 0) -> nn.Module:
+    """A sharded `transformers` model loaded from the Hugging Face directory `path`.
+
+    kind: "causal_lm" (AutoModelForCausalLM), "value" (AutoModelForTokenClassification with one
+    label: a scalar per token) or "reward" (AutoModelForSequenceClassification, one label).
+    A "value" model built from a causal-LM checkpoint keeps the backbone and gets a new head,
+    normal(0, initializer_range) from `head_init_seed` (the same on every rank).
+    """
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} is not a Hugging Face model directory (no config.json)")
+    config = AutoConfig.from_pretrained(path)
+    config.use_cache = False
+    auto = {"causal_lm": AutoModelForCausalLM, "value": AutoModelForTokenClassification,
+            "reward": AutoModelForSequenceClassification}[kind]
+    if kind != "causal_lm":
+        config.num_labels = 1
+        config.classifier_dropout = 0.0   # unset, transformers' heads fall back to 0.1
+    without_dropout(config)
+    with params_on_meta():
+        # every pass of a worker runs on packed sequences (hflow/workers/packing.py)
+        model = auto.from_config(config, dtype=storage_dtype(cfg, device_of(mesh), trainable),
+                                 attn_implementation=register_attention())
+    for module in model.modules():   # any dropout the config does not name
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    model.requires_grad_(trainable)
+    shard_model(model, mesh, cfg)
+    materialize(model, mesh, cfg)
+
+    new_head = kind != "causal_lm" and _is_causal_lm_checkpoint(path)
+    load_hf_weights(model, path, ignore=lambda k: new_head and k.startswith("lm_head."),
+                    allow_missing=lambda n: new_head and n.startswith("score."))
+    if new_head:
+        _init_head(model.score, config.initializer_range, head_init_seed)
+    if not trainable:
+        model.eval()
+    return model
+
+
+def without_dropout(config) -> None:
+    """Set every dropout probability of a transformers config to 0 (attention_dropout,
+    hidden_dropout, resid_pdrop, embd_pdrop, classifier_dropout, ...).
+
+    RL needs the training pass to compute the policy that sampled: with dropout on, the ratio
+    pi/pi_old of the first on-policy step is not 1, and a value or reward model is noisy.
+    """
+    for name, value in vars(config).items():
+        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, name, 0.0)
+
+
+def _is_causal_lm_checkpoint(path: str) -> bool:
+    with open(os.path.join(path, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    return any(a.endswith("ForCausalLM") for a in archs)
+
+
+@torch.no_grad()
+def _init_head(head: nn.Linear, std: float, seed: int) -> None:
+    """Same values on every rank: draw the full (small) head, keep this rank's slice."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in head.named_parameters():
+        full = torch.zeros(param.shape) if name == "bias" else torch.randn(param.shape, generator=generator) * std
+        local = param.to_local() if isinstance(param, DTensor) else param
+        local.copy_(full[local_slices(param)])
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a Hugging Face directory: sharded with an index, or a single file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                            "(only safetensors checkpoints are supported)")
+
+
+def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
+    """The index of the full tensor that this rank's shard of `param` covers."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, s) for s in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str, ignore: Callable[[str], bool] = lambda name: False,
+                    allow_missing: Callable[[str], bool] = lambda name: False) -> None:
+    """Fill every (sharded) parameter from the safetensors files in `path`, reading only the
+    slice this rank owns. Checkpoint keys for which `ignore(key)` holds are skipped; model
+    parameters left unfilled are an error unless `allow_missing(name)`."""
+    params = dict(model.named_parameters())  # tied weights appear once
+    filled = set()
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if ignore(key) or key not in params:
+                    continue
+                param = params[key]
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if local.numel() > 0:
+                    local.copy_(f.get_slice(key)[local_slices(param)])
+                filled.add(key)
+    missing = [n for n in params if n not in filled and not allow_missing(n)]
+    if missing:
+        raise ValueError(f"{path}: the checkpoint has no weights for {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")

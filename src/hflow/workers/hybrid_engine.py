@@ -1,0 +1,151 @@
+"""The hybrid engine: the actor's training weights and its generation engine (hflow.engine) on
+the same ranks.
+
+A rollout has three steps, each a dispatched call of the Actor:
+
+    begin   wake the engine and load the current FSDP2 weights into it through
+            `reshard.generation_weights`, one tensor at a time (no second full copy of the model);
+    sample  generate on those weights: any number of rounds (a multi-turn controller's);
+    end     sleep: the KV cache (and, by default, the weights) are freed, so the training step
+            never sees them.
+
+`Actor.generate` is the three in one call. Between begin and end the actor refuses to update or
+load its weights: the engine would go on sampling from the old ones.
+
+With tp_g > 1 the engine of a tensor-parallel group (ranks t * dp_g + j for t = 0..tp_g-1,
+strided) runs as one: its ranks pool the prompts they were dispatched, generate them all with
+the same seeds, and each keeps the results of its own prompts.
+
+`with_greedy` adds one greedy (temperature 0) response per prompt to the same engine call — the
+baseline of ReMax — as sample n of each prompt (rollout.split_greedy separates them).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import GenerationConfig
+
+from hflow.engine import LLM, SamplingParams
+from hflow.engine.sequence import RequestOutput
+from hflow.faults import fault_point
+from hflow.parallel import device_of, make_mesh
+from hflow.reshard import generation_mesh, generation_weights
+from hflow.workers.fsdp import mixed_precision
+from hflow.workers.rollout import RolloutConfig
+
+
+class HybridEngine:
+    """The generation engine of one actor rank, the generation mesh it is fed through, and
+    whether a rollout is open on it (begin ... end)."""
+
+    def __init__(self, train_mesh: DeviceMesh, model: torch.nn.Module, model_path: str, fsdp_cfg):
+        self.train_mesh, self.model, self.model_path = train_mesh, model, model_path
+        self.device = device_of(train_mesh)
+        self.dtype = mixed_precision(fsdp_cfg, self.device).param_dtype or torch.float32
+        self.llm = self.gen_mesh = None
+        self.tp_size = 0
+        self.open_rollout: RolloutConfig | None = None
+        """the config begin() was given, until end(): the engine holds the weights of that moment"""
+
+    def _engine(self, cfg: RolloutConfig) -> LLM:
+        """Build the generation mesh and the engine the first time (and when tp_size changes)."""
+        if self.llm is not None and cfg.tp_size == self.tp_size:
+            return self.llm
+        self.llm = None  # free the engine of another tp size first
+        self.gen_mesh = generation_mesh(self.train_mesh, cfg.tp_size, make_mesh)
+        options = {"max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
+                   "enable_prefix_caching": cfg.enable_prefix_caching,
+                   "gpu_memory_fraction": cfg.gpu_memory_fraction}
+        if cfg.kv_cache_bytes:
+            options["kv_cache_bytes"] = cfg.kv_cache_bytes
+        if cfg.max_model_len:
+            options["max_model_len"] = cfg.max_model_len
+        if cfg.tp_size > 1:
+            options["tp_group"] = self.gen_mesh.get_group("tp")
+        config = self.model.config
+        self.llm = LLM(config, dtype=self.dtype, device=self.device, eos_token_ids=_eos_ids(self.model_path, config),
+                       **options)
+        self.tp_size = cfg.tp_size
+        return self.llm
+
+    def check_closed(self, action: str) -> None:
+        """Refuse `action` (something that changes the training weights) while a rollout is open."""
+        if self.open_rollout is not None:
+            raise RuntimeError(f"{action} between begin_rollout and end_rollout: the engine would go on "
+                               "sampling from the weights it loaded; call end_rollout first")
+
+    @torch.no_grad()
+    def begin(self, cfg: RolloutConfig) -> None:
+        """Wake the engine (built for `cfg`'s engine settings) and load the actor's current
+        weights into it."""
+        if self.open_rollout is not None:
+            raise RuntimeError("begin_rollout while a rollout is open: call end_rollout first")
+        llm = self._engine(cfg)
+        llm.wake_up()
+        fault_point("handoff")
+        llm.load_weights(generation_weights(self.model, self.gen_mesh, self.dtype))
+        self.open_rollout = cfg
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]], cfg: RolloutConfig, with_greedy: bool = False) -> list[RequestOutput]:
+        """Sample `cfg.n` responses for each of this rank's prompts with the weights begin()
+        loaded (and, `with_greedy`, a greedy one after them), drawn as cfg's sampling fields
+        say; the engine's settings stay begin()'s. Returns the engine's RequestOutputs, in
+        prompt order."""
+        if self.open_rollout is None:
+            raise RuntimeError("sample without begin_rollout: the engine holds no weights; call "
+                               "begin_rollout(rollout) first (or generate, which does all three)")
+        if cfg.tp_size != self.open_rollout.tp_size:
+            raise ValueError(f"sample with --rollout.tp-size {cfg.tp_size} in a rollout begun with "
+                             f"{self.open_rollout.tp_size}")
+        llm = self.llm
+        # pool the prompts of the tp group: its engine runs them together
+        tp_group = self.gen_mesh.get_group("tp")
+        pooled = [None] * cfg.tp_size
+        if cfg.tp_size > 1:
+            dist.all_gather_object(pooled, prompts, group=tp_group)
+        else:
+            pooled = [prompts]
+        params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                max_tokens=cfg.max_tokens, seed=cfg.seed)
+        show = cfg.progress and self.train_mesh.get_local_rank() == 0
+        requests = [p for part in pooled for p in part]
+        fault_point("generate")
+        if with_greedy:
+            # a request of its own next to the samples': it shares the prompt's KV blocks through the
+            # prefix cache, and the samples' seeded streams do not change
+            greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_tokens, seed=cfg.seed)
+            outputs = llm.generate([p for p in requests for _ in range(2)], [params, greedy] * len(requests),
+                                   use_tqdm=show)
+            outputs = [_with_greedy(s, g) for s, g in zip(outputs[0::2], outputs[1::2])]
+        else:
+            outputs = llm.generate(requests, params, use_tqdm=show)
+        mine = self.gen_mesh.get_local_rank("tp")
+        start = sum(len(part) for part in pooled[:mine])
+        return outputs[start:start + len(prompts)]
+
+    def end(self) -> None:
+        """Put the engine to sleep: free its KV cache, and its weights unless the rollout's
+        config keeps them (free_weights_when_asleep)."""
+        if self.open_rollout is None:
+            raise RuntimeError("end_rollout without begin_rollout")
+        self.llm.sleep(level=2 if self.open_rollout.free_weights_when_asleep else 1)
+        self.open_rollout = None
+
+
+def _with_greedy(sampled: RequestOutput, greedy: RequestOutput) -> RequestOutput:
+    """One prompt's samples, then its greedy completion as sample n."""
+    last = replace(greedy.outputs[0], index=len(sampled.outputs))
+    return RequestOutput(sampled.request_id, sampled.prompt_token_ids, [*sampled.outputs, last])
+
+
+def _eos_ids(model_path: str, config) -> list[int] | None:
+    if os.path.exists(os.path.join(model_path, "generation_config.json")):
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return None

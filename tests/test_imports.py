@@ -1,0 +1,154 @@
+"""The shape of the package: no import cycles, the embedded default outside the library.
+
+Imports are read from the source (ast), not by importing: every `import` and `from ... import`
+counts, at module level or inside a function (an import moved into a function to dodge a
+cycle is still a cycle). Importing `a.b.c` counts as importing the module `a.b.c`, not its
+package `a.b` (Python runs `a/b/__init__.py` first, but a package's __init__ importing its own
+submodules is not a cycle); `from a.b import name` counts as importing `a.b.name` when that is a
+module, else the package `a.b`.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def modules(root: Path = SRC, top: str = "hflow") -> dict[str, tuple[Path, str]]:
+    """module name -> (file, the package its relative imports start from)."""
+    found = {}
+    for path in sorted((root / top).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+            package = ".".join(parts)
+        else:
+            package = ".".join(parts[:-1])
+        found[".".join(parts)] = (path, package)
+    return found
+
+
+def import_graph(root: Path = SRC, top: str = "hflow") -> dict[str, set[str]]:
+    """module -> the package's modules it imports (anywhere in its source)."""
+    mods = modules(root, top)
+    graph = {name: set() for name in mods}
+    for name, (path, package) in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    where = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    where = node.module or ""
+                targets = [f"{where}.{a.name}" if f"{where}.{a.name}" in mods else where for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in mods and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_imports_inside_functions_and_relative_ones(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n    import pkg.d\n")
+    (pkg / "c.py").write_text("from .sub import thing\n")     # a name of the package: pkg.sub
+    (pkg / "d.py").write_text("import os\n")
+    graph = import_graph(tmp_path, "pkg")
+    assert graph == {"pkg": {"pkg.sub.b"}, "pkg.sub": set(), "pkg.sub.b": {"pkg.c", "pkg.d"},
+                     "pkg.c": {"pkg.sub"}, "pkg.d": set()}
+
+
+def test_cycle_finder_finds_a_cycle_and_nothing_else():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles_in_hflow():
+    found = cycles(import_graph())
+    assert not found, "import cycles (counting imports inside functions):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_the_library_does_not_import_the_embedded_default():
+    """hflow.default (the embedded default's model, warm-up, judges) is for recipes, tests and
+    scripts; the library reaches it only through what a recipe hands it."""
+    graph = import_graph()
+    offenders = {m: sorted(t for t in targets if t == "hflow.default" or t.startswith("hflow.default."))
+                 for m, targets in graph.items() if not (m == "hflow.default" or m.startswith("hflow.default."))}
+    offenders = {m: t for m, t in offenders.items() if t}
+    assert not offenders, f"library modules importing hflow.default: {offenders}"
+
+
+# The layers of docs/architecture.md: a module imports only from lower layers (or from its own
+# package). Keep the two in step: a new module gets a layer here and a line there.
+LAYERS = {
+    # 0: foundations, importing nothing of hflow
+    "batch": 0, "transport": 0, "parallel": 0, "validation": 0, "metrics": 0, "measure": 0, "faults": 0,
+    "by_model": 0,
+    # 1: building blocks
+    "layout": 1, "dispatch": 1, "server": 1, "checkpoint": 1, "reshard": 1, "algos": 1, "engine": 1, "rewards": 1,
+    # 2: components
+    "data": 2, "workers": 2, "controller": 2, "run": 2,
+    # 3: what recipes are made of
+    "launcher": 3, "config": 3, "texts": 3, "planner": 3,
+    "placement": 4, "scoring": 4,
+    "evaluation": 5,
+    # 6: the set-up every recipe calls, and the embedded default beside it (recipes only)
+    "recipe": 6, "default": 6,
+}
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    unit = module.split(".")[1] if "." in module else ""
+    if unit not in LAYERS:
+        raise AssertionError(f"{module}: no layer in tests/test_imports.py LAYERS (and docs/architecture.md)")
+    return unit, LAYERS[unit]
+
+
+def test_every_import_goes_down_the_layers():
+    wrong = []
+    for module, targets in import_graph().items():
+        if module == "hflow":
+            continue   # the package's lazy re-exports
+        unit, layer = layer_of(module)
+        for target in targets:
+            other, other_layer = layer_of(target)
+            if other != unit and other_layer >= layer:
+                wrong.append(f"{module} (layer {layer}) imports {target} (layer {other_layer})")
+    assert not wrong, "\n".join(wrong)

@@ -1,0 +1,135 @@
+"""hflow.recipe: the set-up every recipe calls, checked in-process (no ranks are started: a
+stand-in cluster records what would be spawned), and the shared steps against hand formulas."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hflow.batch import Batch
+from hflow.config import ActorConfig, DataConfig, FSDPConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from hflow.default.model import build_default
+from hflow.recipe import OldLogProbs, gather, kl_to_reference, set_up, step_metrics
+from hflow.validation import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_default(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)
+
+
+class StandInCluster:
+    """What set_up asks of a cluster, with nothing started."""
+    device_type = "cpu"
+
+    def __init__(self, world_size=2):
+        self.world_size = world_size
+
+
+class WarmUpRecorder:
+    """An embedded default that records the warm-up instead of running it."""
+
+    def __init__(self, base):
+        self.base, self.warmed_up = base, False
+
+    def base_model(self, model):
+        return self.base
+
+    def policy(self, cluster, model):
+        self.warmed_up = True
+        return self.base
+
+    def judge(self, cluster, kind, model):
+        raise AssertionError("no judge was asked for")
+
+
+def config(**parts):
+    cfg = SimpleNamespace(model=ModelConfig(), data=DataConfig(batch_size=4), reward=RewardConfig(),
+                          actor=ActorConfig(), rollout=RolloutConfig(n=2), trainer=TrainerConfig(),
+                          algo=SimpleNamespace(old_log_probs="auto"))
+    for name, value in parts.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
+def test_set_up_checks_every_input_before_the_warm_up(tiny):
+    default = WarmUpRecorder(tiny)
+    # 3 prompts x 1 sample do not split over 2 ranks: refused, and the warm-up never ran
+    with pytest.raises(ValueError, match="do not split over 2 ranks"):
+        set_up(StandInCluster(2), config(data=DataConfig(batch_size=3), rollout=RolloutConfig(n=1)),
+               [["actor"]], algo="grpo", default=default)
+    with pytest.raises(ConfigError, match="unknown role 'critic'"):
+        set_up(StandInCluster(2), config(trainer=TrainerConfig(placement="actor:0;critic:1")), [["actor"]],
+               algo="grpo", default=default)
+    with pytest.raises(ConfigError, match="--reward.model default is the embedded default policy's"):
+        set_up(StandInCluster(2), config(model=ModelConfig(path=str(tiny)), reward=RewardConfig(model="default")),
+               [["actor"]], algo="grpo", default=default)
+    assert not default.warmed_up
+    setup = set_up(StandInCluster(2), config(), [["actor"], ["ref"]], algo="grpo", default=default)
+    assert default.warmed_up and setup.model_dir == str(tiny) and setup.reward_model is None
+    assert setup.placement == {"actor": [0, 1], "ref": [0, 1]}
+    assert setup.actor_cfg.model_path == str(tiny) and len(setup.train) > len(setup.val) == 500
+
+
+def test_set_up_needs_a_model_when_the_recipe_has_no_default(tiny):
+    with pytest.raises(ConfigError, match="--model.path is required"):
+        set_up(StandInCluster(1), config(), [["actor"]], algo="grpo", default=None)
+    setup = set_up(StandInCluster(1), config(model=ModelConfig(path=str(tiny))), [["actor"]], algo="grpo")
+    assert setup.model_dir == str(tiny)
+
+
+def test_set_up_checks_the_critic_batches_against_the_critics_ranks(tiny):
+    cfg = config(critic=ActorConfig(mini_batch_size=3), trainer=TrainerConfig(placement="split"))
+    with pytest.raises(ValueError, match="--critic.mini-batch-size 3"):
+        set_up(StandInCluster(2), cfg, [["actor"], ["critic"]], algo="ppo", default=WarmUpRecorder(tiny))
+
+
+@pytest.mark.parametrize("epochs,mini,choice,dtype,kl,expected", [
+    (1, 0, "auto", "auto", False, "update"),           # on-policy, no KL in the reward: the update's own
+    (1, 0, "recompute", "auto", False, "update"),      # ... whatever the flag says: nothing to compute
+    (1, 0, "auto", "auto", True, "rollout"),           # a KL in the reward: fp32 on CPU, the engine's are exact
+    (1, 0, "auto", "bfloat16", True, "recompute"),     # bf16: the engine's differ, recompute
+    (2, 0, "auto", "auto", False, "rollout"),          # off-policy (two epochs)
+    (1, 2, "recompute", "auto", False, "recompute"),   # off-policy (mini-batches), recompute asked
+    (1, 2, "rollout", "bfloat16", False, "rollout"),   # the engine's, asked for in bf16
+])
+def test_where_the_old_log_probs_come_from(epochs, mini, choice, dtype, kl, expected):
+    cfg = config(actor=ActorConfig(epochs=epochs, mini_batch_size=mini, fsdp=FSDPConfig(param_dtype=dtype)),
+                 algo=SimpleNamespace(old_log_probs=choice))
+    assert OldLogProbs.choose(cfg, "cpu", kl_in_reward=kl).source == expected
+
+
+def test_old_log_probs_from_the_rollout_are_the_engines_and_start_no_call():
+    batch = Batch({"rollout_log_probs": torch.tensor([[-1.0, -2.0]]), "response_mask": torch.ones(1, 2)})
+    assert OldLogProbs("rollout").pending(actor=None, batch=batch, temperature=1.0) == []
+    assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])
+    assert OldLogProbs("update").pending(actor=None, batch=batch, temperature=1.0) == []
+
+    class Actor:   # a recomputation is one log_probs call, returned to be waited on with the others
+        class log_probs:
+            @staticmethod
+            def future(batch, temperature):
+                return SimpleNamespace(result=lambda: Batch({"old_log_probs": torch.zeros(1, 2)}))
+    pending = OldLogProbs("recompute").pending(Actor(), Batch({"response_mask": torch.ones(1, 2)}), 1.0)
+    assert len(pending) == 1 and torch.equal(gather(Batch({"x": torch.ones(1)}), pending)["old_log_probs"],
+                                             torch.zeros(1, 2))
+
+
+def test_kl_to_reference_by_hand():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    batch = Batch({"response_mask": mask, "rollout_log_probs": torch.tensor([[-1.0, -2.0, 5.0], [-0.5, 9.0, 9.0]]),
+                   "ref_log_probs": torch.tensor([[-1.5, -1.0, 0.0], [-1.0, 0.0, 0.0]])})
+    kl, mean = kl_to_reference(batch)   # on-policy: the engine's log-probs are the sampling policy's
+    assert torch.equal(kl, torch.tensor([[0.5, -1.0, 0.0], [0.5, 0.0, 0.0]]))
+    assert mean == pytest.approx((0.5 - 1.0 + 0.5) / 3)
+    batch["old_log_probs"] = batch["ref_log_probs"]   # the old log-probs win when there are some
+    assert kl_to_reference(batch)[1] == 0.0
+
+
+def test_step_metrics_by_hand():
+    batch = Batch({"response_mask": torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])})
+    batch["finish_reason"] = ["length", "stop"]
+    times = {"time/step_s": 2.0, "time/generate_s": 0.5}
+    assert step_metrics(batch, times) == {
+        "response_length/mean": 2.0, "response_length/max": 3.0, "response/stop_fraction": 0.5,
+        "time/step_s": 2.0, "time/generate_s": 0.5, "throughput/tokens_per_s": 4 / 2.0}
+    assert step_metrics(batch[:0], times) == times   # dynamic sampling kept nothing: times only
