@@ -1,60 +1,18 @@
-"""The code reward's sandbox against hostile programs (each scores 0 within its limit and leaves no
-process, file or directory behind), its score on right, wrong and partly right code, batch scoring
-in the reward pool, and the built-in code task (its reference solutions pass its asserts)."""
-import glob
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
+"""The code reward: its score on right, wrong and partly right code, the split of tests into probes
+and their check outside the solution's process, batch scoring in the reward pool, and the
+built-in code task (its reference solutions pass its asserts). The sandbox itself:
+test_code_sandbox.py."""
+import json
 import time
-import uuid
 
 import pytest
 
 from hflow.rewards import get_reward_fn, score_batch
-from hflow.rewards import code as code_reward
-from hflow.rewards.code import (SANDBOX_SLOTS, SANDBOX_UID_BASE, SandboxLimits, code_score,
-                                extract_code, parse_tests, run_tests)
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-AS_ROOT = os.geteuid() == 0
-QUICK = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_bytes=256 << 20, processes=8)
-# A hostile program's whole run, start-up and clean-up included, on a loaded 2-core machine.
-SLACK = 5.0
-
-pytestmark = pytest.mark.timeout(120)
-
-
-def sandbox_processes() -> dict[int, int]:
-    """pid -> uid of every live process in the sandbox uid range: what a stray would be (as root)."""
-    found = {}
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/status") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        uid = int(status["Uid"].split()[0])
-        if status["State"].strip().startswith("Z"):
-            continue
-        if SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + SANDBOX_SLOTS:
-            found[int(name)] = uid
-    return found
-
-
-def run_hostile(source: str, tests=("pass",), limits=QUICK, **kwargs):
-    start = time.monotonic()
-    result = run_tests(source, list(tests), limits, **kwargs)
-    elapsed = time.monotonic() - start
-    assert elapsed < limits.wall_seconds + SLACK, f"took {elapsed:.1f} s"
-    assert not any(result.passed), result
-    assert not os.path.exists(result.workdir)
-    assert not sandbox_processes()
-    with pytest.raises(ProcessLookupError):  # nothing is left in its process group
-        os.killpg(result.pid, 0)
-    return result
+from hflow.rewards.code import code_score, extract_code, parse_tests, run_tests
+from hflow.rewards.code.checker import ProbeFailed, Untrusted, check
+from hflow.rewards.code.child import encode
+from hflow.rewards.code.probes import decode, plan
+from test_code_sandbox import HONEST, sandbox_processes
 
 
 # ---------------------------------------------------------------- response and tests
@@ -105,163 +63,124 @@ def test_a_test_that_raises_fails_alone_and_the_working_directory_is_writable():
     assert result.passed == [True, False, True] and result.error is None
 
 
-# ---------------------------------------------------------------- hostile programs
+# ---------------------------------------------------------------- tests split into probes, checked here
 
-def test_fork_bomb_is_refused_by_the_audit_hook():
-    result = run_hostile("import os\nwhile True:\n    os.fork()\n")
-    assert "os.fork" in result.error
-
-
-def test_fork_bomb_without_the_audit_hook_is_bounded_by_the_process_limit_and_killed_whole():
-    # Children leave the process group (setsid) and keep forking: the uid's process limit bounds
-    # them, the wall limit stops them, and killing by uid finds those killpg cannot.
-    bomb = ("import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n"
-            "    except OSError:\n        pass\n")
-    peak, done = [0], threading.Event()
-
-    def watch():
-        while not done.is_set():
-            peak[0] = max(peak[0], len(sandbox_processes()))
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        result = run_hostile(bomb, audit_hook=False)
-    finally:
-        done.set()
-        watcher.join()
-    assert result.timed_out
-    if AS_ROOT:
-        assert result.uid is not None and 1 < peak[0] <= QUICK.processes
-    assert subprocess.run([sys.executable, "-c", "pass"], timeout=60).returncode == 0  # we can still fork
-
-
-@pytest.mark.parametrize("source", ["while True:\n    pass\n", "import time\ntime.sleep(1000)\n"],
-                         ids=["busy", "asleep"])
-def test_endless_program_is_stopped_by_its_cpu_or_wall_limit(source):
-    result = run_hostile(source)
-    assert result.timed_out
-
-
-def test_memory_hog_gets_memory_error_at_its_limit():
-    result = run_hostile("blocks = []\nwhile True:\n    blocks.append(bytearray(32 << 20))\n")
-    assert result.error.startswith("MemoryError") and not result.timed_out
-
-
-def test_oversized_file_is_cut_at_the_file_size_limit():
-    result = run_hostile("with open('big', 'wb') as f:\n    f.write(b'x' * (16 << 20))\n",
-                         limits=SandboxLimits(wall_seconds=2.0, file_size_bytes=1 << 20))
-    assert "File too large" in result.error
-
-
-@pytest.mark.parametrize("write", [
-    "open({target!r}, 'w').write('escaped')",
-    "import os\nos.close(os.open({target!r}, os.O_WRONLY | os.O_CREAT))",
-    "import os\nos.mkdir({target!r})",
-    "open('mine', 'w').close()\nimport os\nos.rename('mine', {target!r})",
-    "import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('escaped')",
-    "import os\nfd = os.open('/tmp', os.O_RDONLY)\nos.close(os.open('{name}', os.O_WRONLY | os.O_CREAT, dir_fd=fd))",
-    "import os\nopen(os.path.join(os.getcwd(), '..', '{name}'), 'w').write('escaped')",
-], ids=["open", "os.open", "mkdir", "rename", "symlink", "dir_fd", "dotdot"])
-@pytest.mark.parametrize("where", ["/tmp", REPO])
-def test_writes_outside_the_working_directory_are_refused(write, where):
-    name = f"hflow-escape-{uuid.uuid4().hex}"
-    target = os.path.join(where, name)
-    try:
-        run_hostile(write.format(target=target, name=name) + "\nESCAPED = True", ["assert ESCAPED"])
-        assert not os.path.lexists(target)
-        assert not os.path.lexists(os.path.join("/tmp", name))
-    finally:
-        for path in (target, os.path.join("/tmp", name)):
-            if os.path.isdir(path):
-                os.rmdir(path)
-            elif os.path.lexists(path):
-                os.remove(path)
-
-
-def test_the_parents_environment_is_not_visible(monkeypatch):
-    secret = f"hflow-secret-{uuid.uuid4().hex}"
-    monkeypatch.setenv("HFLOW_TEST_SECRET", secret)
-    source = ("import os\nseen = dict(os.environ)\n"
-              "def leak():\n    found = ' '.join(seen.values())\n"
-              "    for path in (f'/proc/{os.getppid()}/environ', '/proc/1/environ'):\n"
-              "        try:\n            found += open(path, 'rb').read().decode(errors='replace')\n"
-              "        except OSError:\n            pass\n    return found\n")
-    result = run_tests(source, [f"assert {secret!r} in leak()",
-                                "assert sorted(seen) == ['HOME', 'LANG', 'PATH', 'TMPDIR']"], QUICK)
-    assert result.passed == [False, True], result  # it ran, and saw only the minimal environment
-    assert not sandbox_processes() and not os.path.exists(result.workdir)
-
-
-@pytest.mark.parametrize("source, error", [
-    ("import os\nos.abort()\n", "SIGABRT"),
-    ("import faulthandler\nfaulthandler._sigsegv()\n", "SIGSEGV"),
-    ("import ctypes\nctypes.string_at(0)\n", "import ctypes"),   # a segfault via ctypes: refused
-    ("import sys\nsys.exit(3)\n", "SystemExit: 3"),
-    ("raise RuntimeError('boom')\n", "RuntimeError: boom"),
-    ("import os\nos._exit(0)\n", "exit code 0"),                   # exits before the tests
-    ("import os\nos.system('echo hi')\n", "os.system"),
-    ("import os\nos.kill(os.getppid(), 9)\n", "os.kill"),
+@pytest.mark.parametrize("test, probes", [
+    ("assert f(2) == 4", ["f(2)"]),
+    ("assert abs(f(1.5) - 3.0) < 1e-9", ["f(1.5)"]),
+    ("assert set(f([1, 2])) == {1, 2}", ["f([1, 2])"]),
+    ("assert math.isclose(area(2), 12.56, rel_tol=0.01)", ["area(2)"]),
+    ("assert f(2) + f(3) == 10, 'sum'", ["f(2)", "f(3)"]),
+    ("assert all(v > 0 for v in f(3))", ["f(3)"]),
+    ("assert Pair(1, 2).x == 1 and f(3)[0] == 'a'", ["Pair(1, 2).x", "f(3)"]),
+    ("assert f(3).startswith('ab') and f(4).count(2) == 1", ["f(3)", "f(4)"]),
+    ("x = f(2)\nassert x == 4", ["f(2)"]),
+    ("f(0)", ["f(0)"]),
+    ("assert True", []),
 ])
-def test_crashing_program_scores_zero(source, error):
-    result = run_hostile(source)
-    assert error in result.error
+def test_a_test_is_split_into_probes_that_hold_no_expected_value(test, probes):
+    assert [probe.source for probe in plan(test).probes] == probes
 
 
-def test_a_program_that_prints_result_lines_cannot_forge_them():
-    # (as root the result file is not even writable: it belongs to root)
-    run_hostile("for i in range(3):\n    print(f'test {i} 1')\n"
-                "try:\n    open('result', 'a').write('test 0 1\\n')\nexcept OSError:\n    pass\n",
-                ["assert False"] * 3)
+@pytest.mark.parametrize("test", [
+    "for i in range(3):\n    assert f(i) == 2 * i", "def g():\n    return f(1)",
+    "assert [f(i) for i in range(3)] == [0, 2, 4]", "x = 2\nassert f(x) == 4", "assert (y := f(2)) == 4",
+    "import os\nassert f(1) == 2", "assert sorted(f(3), key=lambda t: f(t)) == [1]",
+])
+def test_a_test_that_cannot_be_split_is_untrusted(test):
+    with pytest.raises(Untrusted):
+        plan(test)
 
 
-@pytest.mark.skipif(not AS_ROOT, reason="found by its uid, which only root gives it")
-def test_a_program_whose_parent_dies_ends_at_its_own_alarm():
-    # The reward pool kills a worker that overruns --reward.timeout, before its wall-time kill.
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hflow-sandbox-*")))
-    parent = subprocess.Popen([sys.executable, "-c", "from hflow.rewards.code import SandboxLimits, run_tests\n"
-                               "run_tests('import time\\ntime.sleep(1000)', ['pass'], SandboxLimits(wall_seconds=3))"])
-    try:
-        deadline = time.monotonic() + 60
-        while not sandbox_processes():
-            assert parent.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
-    finally:
-        parent.kill()
-        parent.wait()
-    orphaned = time.monotonic()
-    while sandbox_processes():
-        assert time.monotonic() - orphaned < 3 + 1 + SLACK, sandbox_processes()
-        time.sleep(0.05)
-    for path in set(glob.glob(os.path.join(tempfile.gettempdir(), "hflow-sandbox-*"))) - before:
-        shutil.rmtree(path)  # the killed parent's
+def test_untrusted_tests_fail_unrun_and_are_counted():
+    tests = ["assert f(1) == 2", "for i in range(3):\n    assert f(i) == 2 * i"]
+    assert code_score(HONEST, tests) == {"score": 0.5, "all_passed": 0.0, "timed_out": 0.0, "untrusted_tests": 0.5}
 
 
-def test_preloading_is_decided_by_what_others_may_read():
-    from hflow.rewards._code_child import others_can_read
-    outer = tempfile.mkdtemp()
-    try:
-        inner = os.path.join(outer, "lib")
-        os.mkdir(inner)
-        os.chmod(inner, 0o755)
-        os.chmod(outer, 0o755)
-        assert others_can_read(inner)
-        os.chmod(outer, 0o750)  # like /root: the directory below it cannot be reached
-        assert not others_can_read(inner)
-        os.chmod(outer, 0o755)
-        os.chmod(inner, 0o711)  # reachable, not listable
-        assert not others_can_read(inner)
-    finally:
-        shutil.rmtree(outer)
+VALUES = """
+import collections, enum
+Point = collections.namedtuple("Point", "x y")
+Colour = enum.IntEnum("Colour", "RED")
+
+def f(kind):
+    return {"tuple": (1, "a", None), "float": 0.1 + 0.2, "complex": complex(-2, 2.4492935982947064e-16),
+            "set": {1, 2}, "frozenset": frozenset({3}), "dict": {"a": [1, 2], (1, 2): {3}}, "bytes": b"\\x00\\xff",
+            "str": "caf\\u00e9 \\U0001f600 \\udc80", "generator": (i * i for i in range(3)), "range": range(3),
+            "keys": {"b": 1, "a": 2}.keys(), "namedtuple": Point(1, 2), "ordered": collections.OrderedDict(b=1, a=2),
+            "enum": Colour.RED, "big": 2 ** 1000, "true": True, "none": None, "negative zero": -0.0,
+            "nested": [[[]]], "nan": float("nan"), "function": len, "cycle": (lambda l: l.append(l) or l)([])}[kind]
+"""
+HONEST_VALUE_TESTS = [
+    "assert f('tuple') == (1, 'a', None)", "assert f('float') == 0.30000000000000004 and math.isclose(f('float'), 0.3)",
+    "assert f('complex') == (-2+2.4492935982947064e-16j)", "assert f('set') == {2, 1}",
+    "assert f('frozenset') == frozenset([3])", "assert f('dict') == {(1, 2): {3}, 'a': [1, 2]}",
+    "assert f('bytes') == bytes([0, 255])", "assert f('str') == 'caf\\u00e9 \\U0001f600 \\udc80'",
+    "assert list(f('generator')) == [0, 1, 4]", "assert f('generator') != [0, 1, 4]", "assert f('range') == range(3)",
+    "assert sorted(f('keys')) == ['a', 'b']", "assert f('namedtuple') == (1, 2)",
+    "assert list(f('ordered').items()) == [('b', 1), ('a', 2)]", "assert f('enum') == 1 and type(f('enum')) == int",
+    "assert f('big') == 2 ** 1000", "assert f('true') is True", "assert f('none') is None",
+    "assert str(f('negative zero')) == '-0.0'", "assert f('nested') == [[[]]]", "assert f('nan') != f('nan')",
+    "assert f'{f(\"big\") % 7}:{len(f(\"tuple\"))}' == '2:3'",
+]
 
 
-@pytest.mark.skipif(not AS_ROOT, reason="the uid drop happens only as root")
-def test_a_uid_the_sandbox_cannot_take_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(code_reward, "SANDBOX_SLOTS", 1)
-    monkeypatch.setattr(code_reward, "SANDBOX_UID_BASE", 2 ** 32 - 1)  # (uid_t) -1: no process can have it
-    with pytest.raises(RuntimeError, match="could not set up"):
-        run_tests("pass", ["pass"], QUICK)
+def test_an_honest_solutions_values_come_back_as_themselves():
+    result = run_tests(VALUES, HONEST_VALUE_TESTS)
+    assert result.passed == [True] * len(HONEST_VALUE_TESTS), [t for t, ok in zip(HONEST_VALUE_TESTS, result.passed) if not ok]
+
+
+def test_what_is_not_plain_data_fails_its_test():
+    result = run_tests(VALUES, ["assert f('function') is not None", "assert f('cycle') is not None", "f('cycle')"])
+    assert result.passed == [False, False, True]  # a statement of its own passes unless it raises
+
+
+@pytest.mark.parametrize("value", [None, True, 0, -(2 ** 70), 0.1, float("inf"), -0.0, 1 + 2j, "é\U0001f600",
+                                   b"\x00", [1, [2]], (1,), {1, 2}, frozenset({"a"}), {"k": (1, 2), 3: None}, range(1, 9, 2)])
+def test_the_encoding_round_trips_plain_values(value):
+    decoded = decode(json.dumps(encode(value)))
+    assert decoded == value and type(decoded) is type(value)
+
+
+@pytest.mark.parametrize("text", ['["set", [["list", []]]]', '["int", "12"]', '["str"]', '["bool", 1]', '["nope"]',
+                                  "[" * 5000 + "]" * 5000, '["int", "0x' + "f" * 300000 + '"]', "not json"])
+def test_the_decoder_takes_only_well_formed_plain_values(text):
+    with pytest.raises(ValueError):
+        decode(text)
+
+
+@pytest.mark.parametrize("test, value", [("assert 2 ** f(1) > 0", 10 ** 12), ("assert 'x' * f(1) == ''", 10 ** 12),
+                                         ("assert len(list(range(f(1)))) > 0", 10 ** 12),
+                                         ("assert sum(1 for i in range(f(1)) for j in range(1000)) > 0", 1000),
+                                         ("assert f(1).__class__ is int", 1), ("assert math.__dict__", 0)])
+def test_the_checker_bounds_what_a_value_costs_it(test, value):
+    start = time.monotonic()
+    assert not check(plan(test), [value])
+    assert time.monotonic() - start < 5
+
+
+def test_a_probe_that_failed_fails_only_a_test_that_uses_its_value():
+    test = plan("assert f(1) == 1 or g(1)")
+    assert check(test, [1, ProbeFailed("NameError")]) and not check(test, [2, ProbeFailed("NameError")])
+
+
+MBPP_LIKE = [  # test_list rows in MBPP's style, with right solutions
+    ("def similar_elements(a, b):\n    return tuple(set(a) & set(b))\n",
+     ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
+      "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))"]),
+    ("import heapq\ndef heap_queue_largest(nums, n):\n    return heapq.nlargest(n, nums)\n",
+     ["assert heap_queue_largest( [25, 35, 22, 85, 14, 65, 75, 22, 58],3)==[85, 75, 65]"]),
+    ("import math\ndef area_circle(r):\n    return math.pi * r * r\n",
+     ["assert math.isclose(area_circle(10), 314.15, rel_tol=0.001)", "assert abs(area_circle(1) - 3.1416) < 1e-4"]),
+    ("def is_not_prime(n):\n    return any(n % d == 0 for d in range(2, int(n ** 0.5) + 1))\n",
+     ["assert is_not_prime(2) == False", "assert is_not_prime(10) == True", "assert not is_not_prime(37)"]),
+    ("def count_chars(s):\n    return {c: s.count(c) for c in s}\n",
+     ["assert count_chars('aab') == {'a': 2, 'b': 1}", "assert sorted(count_chars('ba').items()) == [('a', 1), ('b', 1)]"]),
+]
+
+
+@pytest.mark.parametrize("solution, tests", MBPP_LIKE)
+def test_mbpp_style_tests_score_right_solutions_one(solution, tests):
+    assert code_score(solution, tests) == {"score": 1.0, "all_passed": 1.0, "timed_out": 0.0, "untrusted_tests": 0.0}
 
 
 # ---------------------------------------------------------------- the reward pool

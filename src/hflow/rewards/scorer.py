@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from hflow.rewards.code import code_score, sandbox_isolation
 from hflow.rewards.pool import RewardPool, ScoredBatch, score_batch
 from hflow.rewards.registry import get_reward_fn
 
@@ -37,6 +38,8 @@ class Scorer:
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
         self.fn = get_reward_fn(cfg.fn or DEFAULT_RULE)
+        if self.fn is code_score:   # the run says once which isolation its sandbox has
+            print(f"hflow: code sandbox: {sandbox_isolation()}", flush=True)
         self._pool: Optional[RewardPool] = None
 
     def __call__(self, responses: Sequence[str], ground_truths: Sequence,

@@ -1,0 +1,98 @@
+"""Code reward (``--reward.fn code``): run a generated Python solution against tests, in a sandbox.
+
+Layout. The ground truth (the ``--data.answer-key`` column) holds the tests: a list of Python
+statements (MBPP's ``test_list``: ``--data.answer-key test_list``) or one string with one
+statement per line (the built-in ``--data.task code``), typically ``assert f(2) == 4``. The
+response is the solution: its last ```` ```python ```` block (or ```` ```py ````, or an unlabelled
+fence; an unclosed one runs to the end), or the whole text when it has no fence.
+
+Score: the fraction of the tests that pass, 0 when the solution itself raises, exits or hits a
+limit before its tests (partial credit is the denser signal; ``all_passed`` is the strict rate).
+A test is checked outside the solution's process (``probes``): it is split into *probes*,
+the parts that call into the solution (``f(2)`` in ``assert f(2) == 4``, arguments included),
+which the sandboxed program evaluates after the solution and sends back as plain data (None,
+bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset, range; an iterator as
+its items; anything else fails the test), and the rest (the comparison, ``abs(x - 1.5) < 1e-9``,
+``set(x) == {1, 2}``, ``math.isclose(...)``), which this process evaluates on those values with a
+small interpreter of Python's syntax tree. A test that cannot be split so (a loop, a ``def``, a
+call into the solution on a value the test computed, a construct the interpreter lacks) is not
+run and fails; the ``untrusted_tests`` metric is their fraction of the row's tests. Other
+metrics: ``all_passed``, ``timed_out`` (wall or CPU limit). Unlike in the solution's namespace,
+the tests' built-ins and ``math``/``cmath`` always mean those (no import needed, no shadowing),
+and probes are evaluated in order even where the test short-circuits (a failed one counts only
+if its value is used).
+
+Trust. The parent trusts nothing the solution's process can write. The expected values never
+enter that process (it gets only the probes; unless a test hands one to the solution's code, as
+in ``check(f(x), expected)``), and what comes back is decoded as values, so no ``__eq__``,
+``__bool__`` or verdict of the solution's is ever used. A solution that took over
+its whole process can still only choose the values of its probes without knowing what they are
+compared with, which is what answering them does. The sandbox's own channel (set-up errors, the
+layers in place, how the program ended) is a pipe held only by two processes that run no solution
+code, outside the solution's reach (below).
+
+The sandbox (``run_tests``) runs each program as a fresh ``python -I -S -B`` (isolated mode: no
+PYTHON* variables, no site-packages, no bytecode written: the standard library only), set up by
+``child`` as a supervisor, the init of a new pid namespace, and the program, with:
+
+- Linux namespaces (``isolation``): user (the uid mapped to itself; the capabilities it
+  grants dropped after set-up), pid (nothing outside can be seen or signalled; the init's end is
+  everything's end), network (no interface up: no connection anywhere, 127.0.0.1 included), IPC,
+  and mount: every mount read-only and nosuid, an empty private /tmp, the working directory the
+  one writable place, a /proc of its own;
+- Landlock (Linux 5.13): writes (making, removing, renaming) only in the working directory,
+  reads only there and in the standard library, the system libraries and four devices, no file
+  executed; no TCP bind or connect (ABI 4); no signal or abstract unix socket beyond the sandbox
+  (ABI 6);
+- seccomp-BPF: no execve, no new process (threads only), no socket, no io_uring, no ptrace or
+  other processes' memory, no namespace or mount, no kernel keys, BPF, perf or userfaultfd;
+- when run as root, a uid of its own. RLIMIT_NPROC counts the processes of a real uid and is not
+  enforced for root (in a user namespace too), so the supervisor drops (setgroups, setgid, setuid)
+  to one of 64 unprivileged uids from 1879048192 (a range systemd's UID notes leave unused), one
+  per program running at the time, claimed with a file lock. The uid makes the process limit
+  hold, keeps the program out of root-owned files and lets the parent kill, after the run, every
+  process of that uid. When the uid cannot read the standard library (an interpreter under
+  /root), the supervisor first imports ``child.PRELOAD`` and the solution can import nothing
+  else. Without root, the process limit holds in the user namespace (it counts the namespace's
+  processes); without one either, RLIMIT_NPROC is 0: no process or thread;
+- limits (``SandboxLimits``): CPU time, address space, file size, open files and processes
+  (rlimits), and wall time (the parent kills it; should the parent die first, the supervisor's
+  alarm, a second after the wall limit, kills the namespace);
+- a fresh temporary directory as its working directory, HOME and TMPDIR, removed afterwards, and
+  an environment of PATH, LANG, HOME and TMPDIR only: none of the trainer's variables;
+- an audit hook (PEP 578): process creation, signals, sockets, ctypes, symlinks, writes outside
+  the working directory (and more than ``max_files_written`` files) and reads outside it and the
+  standard library refused in Python's terms, with clear errors for the usual accidents. It runs
+  in the interpreter it guards and can be undone from there (frames, the garbage collector), so
+  it is defence in depth, not the boundary.
+
+A layer the kernel lacks or forbids (no unprivileged user namespaces, a kernel before Landlock,
+another architecture for seccomp) is left out and the others hold; ``sandbox_isolation()`` says
+which are in place, and the scorer prints it at start-up.
+
+What it still is not: the kernel is shared, so a kernel bug reachable through the syscalls left
+open (files in the working directory, memory, threads, futexes, pipes) is an escape; there is no
+cgroup, so memory is bounded per process (RLIMIT_AS), CPU by the time limits and the disk by the
+file limits; without the kernel layers (a host without user namespaces, Landlock and seccomp), a
+program past the audit hook can run commands and reach the network as the sandbox uid, or, when
+the trainer is not root, as the trainer's own user, who may read the trainer's memory through
+/proc (the expected values too). For hostile code at scale a VM boundary (gVisor, Firecracker)
+is the stronger one. And the parent's own part of a test runs in the reward worker on values the
+solution chose: bounded by size limits and a step budget, and for what they miss (``sum(f(x),
+[])`` on a long list) by the reward pool's timeout. Linux only (/proc, RLIMIT_NPROC as Linux
+counts it); tests/test_code_reward.py holds the attacks (tests/attacks) each layer must stop.
+
+    code_score      the reward function (sandbox.py)
+    run_tests       one program against its tests (sandbox.py: processes, limits, the report)
+    probes.py       a test split into the solution's probes and the rest; the program's report read
+    checker.py      the rest of a test evaluated here on the probes' values
+    child.py        the program the sandbox runs (supervisor, init, program)
+    isolation.py    namespaces, Landlock, seccomp-BPF through ctypes
+    uids.py         a uid per sandboxed program when the trainer is root
+"""
+from hflow.rewards.code.sandbox import (LAYERS, RunResult, SandboxLimits, code_score, extract_code, parse_tests,
+                                       run_tests, sandbox_isolation)
+from hflow.rewards.code.uids import SANDBOX_SLOTS, SANDBOX_UID_BASE
+
+__all__ = ["LAYERS", "RunResult", "SandboxLimits", "code_score", "extract_code", "parse_tests", "run_tests",
+           "sandbox_isolation", "SANDBOX_SLOTS", "SANDBOX_UID_BASE"]
