@@ -132,6 +132,39 @@ def test_learning_rate_schedules():
         build_optimizer(model, OptimConfig(schedule="cosine"))
 
 
+def test_a_resumed_optimizer_follows_this_runs_flags_not_the_checkpoints():
+    """--actor.optim.lr 1e-6 on --trainer.resume used to be logged as the checkpoint's 1e-4 and
+    change nothing: the optimizer's and the schedule's state dicts carry the old values."""
+    from hflow.workers.optim import apply_optim_config
+
+    torch.manual_seed(0)
+    saved_cfg = OptimConfig(lr=1e-4, warmup_steps=4, betas=(0.9, 0.999), weight_decay=0.0)
+    model = torch.nn.Linear(3, 3)
+    optimizer, scheduler = build_optimizer(model, saved_cfg)
+    for _ in range(3):   # 3 steps into the warm-up
+        model(torch.randn(2, 3)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+
+    resumed_cfg = OptimConfig(lr=1e-6, warmup_steps=4, betas=(0.8, 0.99), weight_decay=0.01)
+    optimizer, scheduler = build_optimizer(model, resumed_cfg)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    assert scheduler.get_last_lr()[0] == pytest.approx(1e-4 * 4 / 4)   # what a resume gave before
+    changed = apply_optim_config(optimizer, scheduler, resumed_cfg)
+    assert changed == {"lr": (1e-4, 1e-6), "betas": ((0.9, 0.999), (0.8, 0.99)), "weight_decay": (0.0, 0.01)}
+    # the warm-up goes on from step 3 (factor 4/4) at this run's peak
+    assert scheduler.get_last_lr()[0] == optimizer.param_groups[0]["lr"] == pytest.approx(1e-6)
+    group = optimizer.param_groups[0]
+    assert (group["betas"], group["weight_decay"], group["eps"]) == ((0.8, 0.99), 0.01, 1e-8)
+    assert int(optimizer.state[model.weight]["step"]) == 3   # Adam's moments and count are kept
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] == pytest.approx(1e-6)
+    assert apply_optim_config(optimizer, scheduler, resumed_cfg) == {}   # nothing left to change
+
+
 # ---- multi-process ---------------------------------------------------------------------------
 
 LOG_PROBS = os.path.join(PROGRAMS, "fsdp_log_probs.py")
@@ -357,3 +390,24 @@ def test_a_shard_size_that_does_not_divide_the_ranks_is_refused_before_spawning(
             worker.check_arguments(3, cfg(fsdp=FSDPConfig(shard_size=2)))
         worker.check_arguments(4, cfg(fsdp=FSDPConfig(shard_size=2)))
         worker.check_arguments(3, cfg())   # auto: whatever the ranks
+
+
+@pytest.mark.parametrize("change", [{"intermediate_size": 96, "vocab_size": 64},   # weights larger than the config
+                                    {"intermediate_size": 256}])                  # smaller
+def test_a_config_that_disagrees_with_its_weights_is_refused_with_the_tensor_and_both_shapes(tmp_path, change):
+    # A smaller config used to be loaded by slicing each tensor to the configured shape: the run
+    # trained to exit 0 with reward 0. The loader must name the tensor, its file and both shapes.
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hflow.workers.hf_model import load_hf_weights
+
+    path = tiny_model_dir(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, **change}))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    with pytest.raises(ValueError, match=r"has shape \(\d+, \d+\) in model-\d+-of-\d+\.safetensors but \(\d+, \d+\) "
+                                         r"by config.json; the config does not describe these weights") as error:
+        load_hf_weights(model, path)
+    assert "model." in str(error.value) or "lm_head" in str(error.value)

@@ -133,3 +133,36 @@ def test_step_metrics_by_hand():
         "response_length/mean": 2.0, "response_length/max": 3.0, "response/stop_fraction": 0.5,
         "time/step_s": 2.0, "time/generate_s": 0.5, "throughput/tokens_per_s": 4 / 2.0}
     assert step_metrics(batch[:0], times) == times   # dynamic sampling kept nothing: times only
+
+
+def test_prompts_that_leave_no_room_for_a_response_in_the_context_are_dropped_before_any_step(tiny, tmp_path):
+    """A prompt shorter than --data.max-prompt-length but longer than the context allows used to
+    pass and stop the run when its batch came up (`prompt 0 has 300 tokens; max_model_len is 256`)."""
+    import json
+    rows = [{"prompt": "12+35=", "answer": "47"}, {"prompt": "1+1=" * 60, "answer": "2"}, {"prompt": "9+9=", "answer": "18"}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config(model=ModelConfig(path=str(tiny)), data=DataConfig(train_files=[str(data)], val_files=[str(data)],
+                                                                   batch_size=2),
+                 rollout=RolloutConfig(n=1, max_tokens=16, max_model_len=64))
+    setup = set_up(StandInCluster(1), cfg, [["actor"]], algo="grpo")
+    assert setup.train.ground_truths == ["47", "18"] and setup.train.num_dropped == 1
+    assert setup.val.num_dropped == 1 and all(len(p) + 16 <= 64 for p in setup.train.prompt_ids)
+    cfg.rollout = RolloutConfig(n=1, max_tokens=64, max_model_len=64)
+    with pytest.raises(ConfigError, match="--rollout.max-tokens 64 leaves no room for a prompt"):
+        set_up(StandInCluster(1), cfg, [["actor"]], algo="grpo")
+
+
+def test_a_model_that_names_no_end_token_is_warned_about(tiny, tmp_path, capsys):
+    import json
+    import shutil
+    silent = tmp_path / "silent"
+    shutil.copytree(tiny, silent)
+    for name in ("config.json", "generation_config.json"):
+        data = json.loads((silent / name).read_text())
+        data.pop("eos_token_id", None)
+        (silent / name).write_text(json.dumps(data))
+    set_up(StandInCluster(1), config(model=ModelConfig(path=str(tiny))), [["actor"]], algo="grpo")
+    assert "end-of-sequence" not in capsys.readouterr().out
+    set_up(StandInCluster(1), config(model=ModelConfig(path=str(silent))), [["actor"]], algo="grpo")
+    assert "names no end-of-sequence token" in capsys.readouterr().out

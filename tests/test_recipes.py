@@ -132,6 +132,18 @@ def test_grpo_dynamic_sampling_that_keeps_nothing_skips_the_update(tiny_model, t
 
 
 @pytest.mark.dist
+def test_a_reward_function_that_always_fails_stops_the_run_with_one_message(tiny_model, tmp_path):
+    out = tmp_path / "broken"
+    run = torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 10, "--trainer.no-export",
+                                                          "--reward.fn", "dapo_rewards:nothing"),
+                   timeout=400, env={"PYTHONPATH": PROGRAMS})
+    assert run.returncode == 1 and not run.timed_out, run.output
+    assert run.output.count("error: the reward function failed on every response of 3 batches in a row") == 1, \
+        run.output
+    assert [r["step"] for r in rows(out)] == [0, 1, 2]   # steps 1 and 2 logged, step 3 stopped the run
+
+
+@pytest.mark.dist
 def test_grpo_reinforce_pp_with_kl_in_the_reward_and_the_gspo_loss_runs(tiny_model, tmp_path):
     out = tmp_path / "rpp"
     torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 2, "--trainer.no-export",

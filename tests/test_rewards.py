@@ -207,6 +207,23 @@ def test_inline_failures_are_caught_and_counted():
     assert "RuntimeError: scorer bug" in result.failures[1] and "'score'" in result.failures[2]
 
 
+@pytest.mark.parametrize("value", ["1.0", "1e39", None, 1e39, 1e300, float("inf"), float("nan"), [1.0], {"score": "1"}])
+def test_a_score_must_be_a_real_number_finite_in_float32(value):
+    # "1.0" and "1e39" used to be accepted by float(); 1e300 became inf in float32 and ended the
+    # run through NaN losses with reward/errors at 0
+    result = score_batch(lambda response, truth: value, ["a"], ["a"], inline=True)
+    assert result.scores == [0.0] and result.metrics["reward/errors"] == 1.0
+    assert "not a number" in result.failures[0] or "not a finite float32" in result.failures[0]
+
+
+@pytest.mark.parametrize("value, score", [(True, 1.0), (False, 0.0), (2, 2.0), (-0.5, -0.5), (3.4e38, 3.4e38)])
+def test_real_numbers_are_scores(value, score):
+    import numpy as np
+    for given in (value, np.float64(value)):
+        result = score_batch(lambda response, truth: given, ["a"], ["a"], inline=True)
+        assert result.scores == [score] and result.failures == [None]
+
+
 @pytest.mark.timeout(120)  # a pool that hangs must fail here, not stall the suite
 def test_pool_survives_hanging_raising_and_dying_scorers(caplog):
     responses = ["a", "hang", "raise", "b", "die", "a", "hang", "c"]

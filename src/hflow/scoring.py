@@ -4,7 +4,7 @@
     sets = [["actor", ...], reward_roles(cfg.reward)]                  # "reward": a role to place
     rewards = Rewards(cluster, cfg.reward, tokenizer, reward_model_dir, placement.get("reward"))
     scores, metrics = rewards(batch)   # reward/mean; with a model also reward/rule_mean, reward/rm_mean, reward/rm_std
-    scores, metrics = score(batch, tokenizer, rewards.rule)            # the rule alone (held-out evaluation)
+    scores, scored = score(batch, tokenizer, rewards.rule)             # the rule alone (held-out evaluation)
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 from transformers import AutoTokenizer
 
 from hflow.batch import Batch
-from hflow.rewards import RewardConfig, Scorer
+from hflow.rewards import RewardConfig, ScoredBatch, Scorer
 from hflow.texts import response_texts
+from hflow.validation import UserError
 from hflow.workers import RewardModel, RewardModelConfig
 
 
@@ -24,10 +25,15 @@ def reward_roles(reward: RewardConfig) -> list[str]:
     return ["reward"] if reward.model else []
 
 
-def score(batch: Batch, tokenizer, rule: Scorer) -> tuple[torch.Tensor, dict]:
-    """One rule score per sequence of a rollout Batch, and the scorer's metrics (reward/*)."""
+def score(batch: Batch, tokenizer, rule: Scorer) -> tuple[torch.Tensor, ScoredBatch]:
+    """One rule score per sequence of a rollout Batch, and the scorer's full result (its
+    metrics reward/*, and why each failed response failed)."""
     scored = rule(response_texts(batch, tokenizer), batch["ground_truth"], batch["extra"])
-    return torch.tensor(scored.scores, dtype=torch.float32), scored.metrics
+    return torch.tensor(scored.scores, dtype=torch.float32), scored
+
+
+class ScoringFailed(UserError):
+    """Every response's scoring failed, batch after batch: the reward function is broken."""
 
 
 class Rewards:
@@ -40,6 +46,7 @@ class Rewards:
         self.cfg, self.tokenizer, self.rule = cfg, tokenizer, Scorer(cfg)
         self.model = None
         self.equal_batches = 0   # batches so far whose responses all scored alike (the first few only)
+        self.failed_batches = 0  # batches in a row in which every response's scoring failed
         if model_dir:
             rm_cfg = RewardModelConfig(model_path=str(model_dir), max_tokens_per_micro_batch=cfg.model_max_tokens_per_micro_batch)
             self.model = cluster.spawn(RewardModel, rm_cfg, ranks=ranks)
@@ -49,9 +56,13 @@ class Rewards:
         # the reward model works on its ranks while the controller applies the rule
         pending = self.model.scores.future(batch.select("input_ids", "attention_mask", "response_mask")) \
             if self.model else None
-        rule, metrics = score(batch, self.tokenizer, self.rule)
+        rule, scored = score(batch, self.tokenizer, self.rule)
+        metrics = scored.metrics
+        if self.cfg.fn or pending is None:   # the rule is (part of) the training score
+            self.stop_if_scoring_keeps_failing(scored)
         if pending is None:
-            self.warn_if_no_signal(rule)
+            if not all(scored.failures):   # when every score failed, that is the message, not the prompts
+                self.warn_if_no_signal(rule)
             return rule, metrics
         rm = pending.result()["rm_scores"]
         scores = self.cfg.model_weight * rm + (rule if self.cfg.fn else 0.0)
@@ -59,6 +70,19 @@ class Rewards:
         metrics["reward/rule_mean"] = metrics.pop("reward/mean")
         return scores, metrics | {"reward/mean": scores.mean().item(), "reward/rm_mean": rm.mean().item(),
                                   "reward/rm_std": rm.std().item() if len(rm) > 1 else 0.0}
+
+    def stop_if_scoring_keeps_failing(self, scored: ScoredBatch) -> None:
+        """Raise ScoringFailed once --reward.max-failed-batches batches in a row had every
+        response's scoring fail: the run would go on learning from zeros and exit 0."""
+        every_one_failed = bool(scored.failures) and all(scored.failures)
+        self.failed_batches = self.failed_batches + 1 if every_one_failed else 0
+        limit = self.cfg.max_failed_batches
+        if limit and self.failed_batches >= limit:
+            raise ScoringFailed(
+                f"the reward function failed on every response of {self.failed_batches} batches in a row "
+                f"({len(scored.failures)} of {len(scored.failures)} in the last; first: {scored.failures[0]}); "
+                f"fix --reward.fn {self.cfg.fn or 'arithmetic'} (a score function returns a real number, or "
+                f"a dict with one as 'score'), or raise --reward.max-failed-batches (0: never stop)")
 
     def warn_if_no_signal(self, scores: torch.Tensor, first: int = 3) -> None:
         """Say so when every response of each of the first `first` batches scored the same: the

@@ -63,6 +63,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "max_num_seqs": _at_least(1, "sequences the engine runs at once"),
     "block_size": _at_least(1, "tokens per KV-cache block"),
     "num_workers": _at_least(1, "reward worker processes"),
+    "max_failed_batches": _at_least(0, "batches in a row whose scoring all failed before the run stops; 0: never"),
     "max_tokens": _at_least(1, "new tokens per response"),
     "max_prompt_length": _at_least(1, "prompt tokens"),
     "max_sampling_rounds": _at_least(1, "sampling rounds of dynamic sampling"),
@@ -185,17 +186,21 @@ def complete_checkpoints(output_dir) -> list[Path]:
 
 
 def output_dir_problems(trainer) -> list[str]:
+    """--trainer.resume continues from the latest checkpoint, or starts at step 0 when there is
+    none (a run stopped before its first: what it left are metrics of lost steps); only a finished
+    run's export is never replaced without --trainer.overwrite."""
     out, earlier = trainer.output_dir, earlier_run(trainer.output_dir)
     overwrite = getattr(trainer, "overwrite", False)
     if trainer.resume and overwrite:
         return ["--trainer.resume and --trainer.overwrite: choose one (continue the run there, or replace it)"]
-    if trainer.resume and earlier and not complete_checkpoints(out):
-        return [f"--trainer.resume: {out} holds a run ({', '.join(earlier)}) but no complete checkpoint "
-                f"to continue from (it ran without --trainer.save-every?); start over with "
-                f"--trainer.overwrite, or choose another --trainer.output-dir"]
+    if trainer.resume and "actor_hf" in earlier and not complete_checkpoints(out):
+        return [f"--trainer.resume: {out} holds a finished run ({', '.join(earlier)}) and no checkpoint to "
+                f"continue from; replace it with --trainer.overwrite, or choose another --trainer.output-dir"]
     if earlier and not trainer.resume and not overwrite:
-        return [f"--trainer.output-dir {out} holds an earlier run ({', '.join(earlier)}): continue it with "
-                f"--trainer.resume, replace it with --trainer.overwrite, or choose another --trainer.output-dir"]
+        resume = "continue it with --trainer.resume" if complete_checkpoints(out) else \
+            "it has no checkpoint: start it again with --trainer.resume (from step 0)"
+        return [f"--trainer.output-dir {out} holds an earlier run ({', '.join(earlier)}): {resume}, replace it "
+                f"with --trainer.overwrite, or choose another --trainer.output-dir"]
     return []
 
 
@@ -210,4 +215,5 @@ def prepare_output_dir(trainer, log=print) -> None:
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         log(f"hflow: --trainer.overwrite: removed the earlier run's {', '.join(earlier)} in {out}")
     if trainer.resume and not complete_checkpoints(out):
-        log(f"hflow: --trainer.resume: nothing to resume in {out} (no checkpoint yet); starting at step 0")
+        replaced = "; the earlier run's metrics.jsonl is replaced" if (out / "metrics.jsonl").exists() else ""
+        log(f"hflow: --trainer.resume: no checkpoint in {out} yet; starting at step 0{replaced}")

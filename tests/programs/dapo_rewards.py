@@ -1,4 +1,4 @@
-"""Reward functions for test_recipes.py's dynamic-sampling runs (`--reward.fn dapo_rewards:<name>`, with tests/programs on PYTHONPATH)."""
+"""Reward functions for test_recipes.py's runs (`--reward.fn dapo_rewards:<name>`, with tests/programs on PYTHONPATH)."""
 
 
 def length_parity(response, ground_truth, **extra):
@@ -9,3 +9,8 @@ def length_parity(response, ground_truth, **extra):
 def constant(response, ground_truth, **extra):
     """The same score for everything: every group is dropped."""
     return 1.0
+
+
+def nothing(response, ground_truth, **extra):
+    """A broken reward function: it forgets to return (test_recipes' failed-scoring run)."""
+    return None

@@ -10,9 +10,9 @@ With no ``train_files`` the prompts come from the built-in ``task`` (2-digit ari
 held-out split (``load_prompts(cfg, tokenizer, "val")``) never overlaps the training one.
 """
 from hflow.data.config import DataConfig, DataError
-from hflow.data.loading import Prompt, PromptDataset, build_prompts, load_prompts, read_rows
+from hflow.data.loading import ContextRoom, Prompt, PromptDataset, build_prompts, load_prompts, read_rows
 from hflow.data.sampler import PromptSampler, iter_batches
 from hflow.data.tasks import TASKS, ArithmeticTask, task_splits
 
-__all__ = ["DataConfig", "DataError", "Prompt", "PromptDataset", "PromptSampler", "build_prompts",
+__all__ = ["ContextRoom", "DataConfig", "DataError", "Prompt", "PromptDataset", "PromptSampler", "build_prompts",
            "iter_batches", "load_prompts", "read_rows", "TASKS", "ArithmeticTask", "task_splits"]

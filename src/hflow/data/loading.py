@@ -31,6 +31,14 @@ class Prompt:
     index: int = 0  # position in the PromptDataset
 
 
+@dataclass(frozen=True)
+class ContextRoom:
+    """The most tokens a prompt may have so that it and its response fit the model's context,
+    and why, for messages ("the model's context of 256 tokens less --rollout.max-tokens 64")."""
+    tokens: int
+    why: str
+
+
 @dataclass
 class PromptDataset:
     """Tokenised prompts that passed the length filter; ``num_dropped`` were too long."""
@@ -144,8 +152,10 @@ def render_prompt(prompt, tokenizer, chat: bool, where: str) -> tuple[str, bool]
 
 
 def build_prompts(rows: list[dict], tokenizer, max_prompt_length: int, chat: bool = False,
-                  source: str = "") -> PromptDataset:
-    """Render and tokenise rows; drop (and count, with a message) prompts longer than the limit."""
+                  source: str = "", context_room: Optional[ContextRoom] = None) -> PromptDataset:
+    """Render and tokenise rows; drop (and count, with a message) prompts longer than the limit:
+    `max_prompt_length`, or the room the model's context leaves beside the response when that
+    is less (a longer prompt would stop the run when its batch came up)."""
     if max_prompt_length < 1:
         raise DataError(f"{flag('max_prompt_length')} must be >= 1, got {max_prompt_length}")
     rendered = [render_prompt(r["prompt"], tokenizer, chat, r.get("source", f"row {i}")) for i, r in enumerate(rows)]
@@ -156,21 +166,26 @@ def build_prompts(rows: list[dict], tokenizer, max_prompt_length: int, chat: boo
             encoded = tokenizer([rendered[i][0] for i in picked], add_special_tokens=not is_chat)["input_ids"]
             for i, e in zip(picked, encoded):
                 ids[i] = list(e)
-    keep = [i for i in range(len(rows)) if len(ids[i]) <= max_prompt_length]
+    limit, why = max_prompt_length, f"{flag('max_prompt_length')} {max_prompt_length}"
+    if context_room is not None and context_room.tokens < limit:
+        limit, why = context_room.tokens, context_room.why
+    keep = [i for i in range(len(rows)) if len(ids[i]) <= limit]
     dropped = len(rows) - len(keep)
     if rows and not keep:
-        raise DataError(f"{flag('max_prompt_length')}: all {len(rows)} prompts of {source} are longer "
-                        f"than {max_prompt_length} tokens (shortest: {min(map(len, ids))}); raise it")
+        raise DataError(f"all {len(rows)} prompts of {source} are longer than {limit} tokens ({why}; shortest: "
+                        f"{min(map(len, ids))})")
     if dropped:
-        logger.warning("%s: dropped %d of %d prompts longer than %s %d tokens (longest: %d)", source,
-                       dropped, len(rows), flag("max_prompt_length"), max_prompt_length, max(map(len, ids)))
+        logger.warning("%s: dropped %d of %d prompts longer than %d tokens (%s; longest: %d)", source,
+                       dropped, len(rows), limit, why, max(map(len, ids)))
     return PromptDataset([ids[i] for i in keep], [rendered[i][0] for i in keep],
                          [rows[i]["answer"] for i in keep], [rows[i].get("extra", {}) for i in keep],
                          source=source, num_dropped=dropped)
 
 
-def load_prompts(cfg: DataConfig, tokenizer, split: str = "train") -> Optional[PromptDataset]:
-    """The ``"train"`` or ``"val"`` prompts that ``cfg`` names, tokenised and length-filtered.
+def load_prompts(cfg: DataConfig, tokenizer, split: str = "train",
+                 context_room: Optional[ContextRoom] = None) -> Optional[PromptDataset]:
+    """The ``"train"`` or ``"val"`` prompts that ``cfg`` names, tokenised and length-filtered
+    (``--data.max-prompt-length``, and ``context_room`` when given).
 
     Without ``--data.train-files`` both come from the built-in ``--data.task`` (disjoint splits).
     With train files, ``"val"`` reads ``--data.val-files`` and is None when there are none.
@@ -190,4 +205,4 @@ def load_prompts(cfg: DataConfig, tokenizer, split: str = "train") -> Optional[P
         source = f"task {cfg.task!r} ({split})"
     if not rows:
         raise DataError(f"{source} holds no prompts")
-    return build_prompts(rows, tokenizer, cfg.max_prompt_length, cfg.chat, source)
+    return build_prompts(rows, tokenizer, cfg.max_prompt_length, cfg.chat, source, context_room)

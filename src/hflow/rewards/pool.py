@@ -19,6 +19,7 @@ import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection
+import numbers
 import os
 import pickle
 import signal
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger("hflow.rewards")
+
+FLOAT32_MAX = 3.4028234663852886e38   # the largest finite float32
 
 
 @dataclass
@@ -46,7 +49,9 @@ class ScoredBatch:
 # ---------------------------------------------------------------- one item, in any process
 
 def _as_score(out: Any) -> tuple[float, dict]:
-    """A score function's return value as (score, extra metrics); ValueError if malformed."""
+    """A score function's return value as (score, extra metrics); ValueError unless the score is
+    a real number (a bool counts; a string such as "1.0" does not) that is finite in float32,
+    the dtype rewards train in (1e300 would become inf there and the losses NaN)."""
     details = {}
     if isinstance(out, dict):
         if "score" not in out:
@@ -54,9 +59,13 @@ def _as_score(out: Any) -> tuple[float, dict]:
         details = {k: (v if isinstance(v, (bool, int, float, str)) else repr(v))
                    for k, v in out.items() if k != "score"}
         out = out["score"]
+    if not isinstance(out, numbers.Real):
+        raise ValueError(f"score function returned {type(out).__name__} {str(out)[:40]!r}, not a number "
+                         f"(return a float, or a dict with a float 'score')")
     score = float(out)
-    if not math.isfinite(score):
-        raise ValueError(f"score function returned a non-finite score {score}")
+    if not math.isfinite(score) or abs(score) > FLOAT32_MAX:
+        raise ValueError(f"score function returned {score:g}, which is not a finite float32 "
+                         f"(|score| <= {FLOAT32_MAX:.4g})")
     return score, details
 
 

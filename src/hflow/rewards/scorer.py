@@ -28,7 +28,8 @@ class RewardConfig:
     """Seconds one response may take to score; a slower one scores 0 and its worker is replaced."""
     inline: Optional[bool] = None
     """Score in the controller process: None = only the fast built-ins; True = always (no timeout; for debugging)."""
-
+    max_failed_batches: int = 3
+    """Stop the run once this many batches in a row had every response's scoring fail (raised, timed out, crashed or returned no real number): a reward that never works teaches nothing (0: never stop; ReMax scores two batches a step)."""
 
 
 class Scorer:

@@ -124,10 +124,10 @@ class Actor(ModelWorker):
         return self.train(tensors, n, loss_of, self.cfg.epochs, loss_agg)
 
     @dispatch("all")
-    def load(self, path: str) -> None:
+    def load(self, path: str) -> dict[str, tuple]:
         """Resume from `save(path)` (ModelWorker.load); refused while a rollout is open."""
         self._refuse_while_rollout_open("actor.load")
-        super().load(path)
+        return super().load(path)
 
     def _refuse_while_rollout_open(self, action: str) -> None:
         if self.hybrid_engine is not None:

@@ -29,7 +29,7 @@ from hflow import layout
 from hflow.parallel import device_of
 from hflow.workers import micro_batches
 from hflow.workers.fsdp import FSDPConfig, check_shard_size, mixed_precision, reshard
-from hflow.workers.optim import OptimConfig, all_reduce_sum, build_optimizer, clip_grad_norm_
+from hflow.workers.optim import OptimConfig, all_reduce_sum, apply_optim_config, build_optimizer, clip_grad_norm_
 
 
 @dataclass
@@ -252,9 +252,13 @@ class ModelWorker:
         save_sharded(path, self._state(), self.mesh.get_group())
 
     @dispatch("all")
-    def load(self, path: str) -> None:
-        """Resume from `save(path)`, on any number of ranks. Collective over the group."""
+    def load(self, path: str) -> dict[str, tuple]:
+        """Resume from `save(path)`, on any number of ranks. Collective over the group. The
+        optimizer then follows this run's flags (a learning rate changed for the resumed run
+        takes effect: optim.apply_optim_config); returns what they changed, name -> (the
+        checkpoint's value, this run's)."""
         load_sharded(path, self._state(), self.mesh.get_group())
+        return apply_optim_config(self.optimizer, self.scheduler, self.cfg.optim) if self.optimizer else {}
 
     @dispatch("all")
     def export_hf(self, path: str, tokenizer: str | None = None) -> None:

@@ -128,10 +128,14 @@ def load_hf_weights(model: nn.Module, path: str, ignore: Callable[[str], bool] =
             for key in f.keys():
                 if ignore(key) or key not in params:
                     continue
-                param = params[key]
+                param, stored = params[key], f.get_slice(key)
+                if list(stored.get_shape()) != list(param.shape):   # slicing would silently take a part
+                    raise ValueError(f"{path}: {key} has shape {tuple(stored.get_shape())} in "
+                                     f"{os.path.basename(file)} but {tuple(param.shape)} by config.json; "
+                                     f"the config does not describe these weights")
                 local = param.to_local() if isinstance(param, DTensor) else param
                 if local.numel() > 0:
-                    local.copy_(f.get_slice(key)[local_slices(param)])
+                    local.copy_(stored[local_slices(param)])
                 filled.add(key)
     missing = [n for n in params if n not in filled and not allow_missing(n)]
     if missing:

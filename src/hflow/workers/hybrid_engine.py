@@ -21,13 +21,13 @@ baseline of ReMax — as sample n of each prompt (rollout.split_greedy separates
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import GenerationConfig
 
 from hflow.engine import LLM, SamplingParams
 from hflow.engine.sequence import RequestOutput
@@ -67,7 +67,7 @@ class HybridEngine:
         if cfg.tp_size > 1:
             options["tp_group"] = self.gen_mesh.get_group("tp")
         config = self.model.config
-        self.llm = LLM(config, dtype=self.dtype, device=self.device, eos_token_ids=_eos_ids(self.model_path, config),
+        self.llm = LLM(config, dtype=self.dtype, device=self.device, eos_token_ids=stop_token_ids(self.model_path),
                        **options)
         self.tp_size = cfg.tp_size
         return self.llm
@@ -143,9 +143,14 @@ def _with_greedy(sampled: RequestOutput, greedy: RequestOutput) -> RequestOutput
     return RequestOutput(sampled.request_id, sampled.prompt_token_ids, [*sampled.outputs, last])
 
 
-def _eos_ids(model_path: str, config) -> list[int] | None:
-    if os.path.exists(os.path.join(model_path, "generation_config.json")):
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+def stop_token_ids(model_path: str) -> list[int]:
+    """The ids a response stops at: the generation config's EOS, else the model config's."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_path, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
-    return None
+    return []

@@ -66,6 +66,26 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def apply_optim_config(optimizer, scheduler, cfg: OptimConfig) -> dict[str, tuple]:
+    """Make a resumed optimizer follow `cfg` (the flags of this run) rather than the run that
+    saved it: the peak learning rate (the schedule's base, the step count kept), betas, eps and
+    weight decay; the schedule's shape is the flags' already (it is code, not saved state).
+    Returns what changed, name -> (the checkpoint's value, this run's)."""
+    changed, wanted = {}, {"betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+    for i, group in enumerate(optimizer.param_groups):
+        if scheduler.base_lrs[i] != cfg.lr:
+            changed["lr"] = (scheduler.base_lrs[i], cfg.lr)
+        scheduler.base_lrs[i] = group["initial_lr"] = cfg.lr
+        for name, value in wanted.items():
+            current = tuple(group[name]) if name == "betas" else group[name]
+            if current != value:
+                changed[name] = (current, value)
+            group[name] = value
+        group["lr"] = cfg.lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]   # what get_last_lr reports
+    return changed
+
+
 def clip_grad_norm_(params: Iterator[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global L2 norm of the gradients of (sharded) parameters; clip to `max_norm` if > 0.
 
