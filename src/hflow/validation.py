@@ -186,21 +186,17 @@ def complete_checkpoints(output_dir) -> list[Path]:
 
 
 def output_dir_problems(trainer) -> list[str]:
-    """--trainer.resume continues from the latest checkpoint, or starts at step 0 when there is
-    none (a run stopped before its first: what it left are metrics of lost steps); only a finished
-    run's export is never replaced without --trainer.overwrite."""
     out, earlier = trainer.output_dir, earlier_run(trainer.output_dir)
     overwrite = getattr(trainer, "overwrite", False)
     if trainer.resume and overwrite:
         return ["--trainer.resume and --trainer.overwrite: choose one (continue the run there, or replace it)"]
-    if trainer.resume and "actor_hf" in earlier and not complete_checkpoints(out):
-        return [f"--trainer.resume: {out} holds a finished run ({', '.join(earlier)}) and no checkpoint to "
-                f"continue from; replace it with --trainer.overwrite, or choose another --trainer.output-dir"]
+    if trainer.resume and earlier and not complete_checkpoints(out):
+        return [f"--trainer.resume: {out} holds a run ({', '.join(earlier)}) but no complete checkpoint "
+                f"to continue from (it ran without --trainer.save-every?); start over with "
+                f"--trainer.overwrite, or choose another --trainer.output-dir"]
     if earlier and not trainer.resume and not overwrite:
-        resume = "continue it with --trainer.resume" if complete_checkpoints(out) else \
-            "it has no checkpoint: start it again with --trainer.resume (from step 0)"
-        return [f"--trainer.output-dir {out} holds an earlier run ({', '.join(earlier)}): {resume}, replace it "
-                f"with --trainer.overwrite, or choose another --trainer.output-dir"]
+        return [f"--trainer.output-dir {out} holds an earlier run ({', '.join(earlier)}): continue it with "
+                f"--trainer.resume, replace it with --trainer.overwrite, or choose another --trainer.output-dir"]
     return []
 
 
@@ -215,5 +211,4 @@ def prepare_output_dir(trainer, log=print) -> None:
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         log(f"hflow: --trainer.overwrite: removed the earlier run's {', '.join(earlier)} in {out}")
     if trainer.resume and not complete_checkpoints(out):
-        replaced = "; the earlier run's metrics.jsonl is replaced" if (out / "metrics.jsonl").exists() else ""
-        log(f"hflow: --trainer.resume: no checkpoint in {out} yet; starting at step 0{replaced}")
+        log(f"hflow: --trainer.resume: nothing to resume in {out} (no checkpoint yet); starting at step 0")
