@@ -21,6 +21,7 @@ response). Conventions shared by every function here:
     kl_control.py   the fixed and adaptive KL coefficient controllers
     lagrangian.py   Safe-RLHF's Lagrange multiplier and the Lagrangian's advantage
     pairs.py        reward and cost models' losses on preference pairs
+    registry.py     the name -> function tables (Registry) the registries above are
 
 verl's `trainer/ppo/core_algos.py` is the model for names and formulas; this is our own code.
 """

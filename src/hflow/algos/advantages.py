@@ -10,30 +10,15 @@ with the score on each response's last token (minus beta * KL on every token whe
 the reward) and `groups` the prompt each row answers. GAE (with a critic) and ReMax (with a
 greedy baseline) take other inputs and are called directly.
 """
-from typing import Callable
-
 import torch
 
 from hflow.algos.masked import masked_whiten
+from hflow.algos.registry import Registry
 
-ESTIMATORS: dict[str, Callable] = {}
-
-
-def register_estimator(name: str) -> Callable:
-    """Add `fn(token_rewards, mask, groups, *, gamma) -> advantages` to ESTIMATORS as `name`."""
-    def add(fn: Callable) -> Callable:
-        if name in ESTIMATORS:
-            raise ValueError(f"an advantage estimator named {name!r} is registered already")
-        ESTIMATORS[name] = fn
-        return fn
-    return add
-
-
-def estimator(name: str) -> Callable:
-    """The registered estimator `name`, or an error listing the registered ones."""
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {', '.join(ESTIMATORS)}")
-    return ESTIMATORS[name]
+ESTIMATORS = Registry("advantage estimator")
+# fn(token_rewards, mask, groups, *, gamma) -> advantages, added as `name`
+register_estimator = ESTIMATORS.register
+estimator = ESTIMATORS.find
 
 
 def scores_to_token_rewards(scores, mask):

@@ -8,34 +8,18 @@ Python floats. A policy loss in `POLICY_LOSSES` takes
 
 (`agg` one of AGG_MODES: how token losses add up over a micro-batch).
 """
-from typing import Callable
-
 import torch
 
 from hflow.algos.masked import aggregate_loss, masked_mean
+from hflow.algos.registry import Registry
 
 KL_KINDS = ("k1", "k2", "k3", "abs", "low_var_kl")
 # exp() of a log-ratio beyond ±20 overflows to nonsense long before it is informative
 _MAX_LOG_RATIO = 20.0
 
-POLICY_LOSSES: dict[str, Callable] = {}
-
-
-def register_policy_loss(name: str) -> Callable:
-    """Add a policy loss (the signature above) to POLICY_LOSSES as `name`."""
-    def add(fn: Callable) -> Callable:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"a policy loss named {name!r} is registered already")
-        POLICY_LOSSES[name] = fn
-        return fn
-    return add
-
-
-def policy_loss_fn(name: str) -> Callable:
-    """The registered policy loss `name`, or an error listing the registered ones."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+POLICY_LOSSES = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register   # a policy loss (the signature above), added as `name`
+policy_loss_fn = POLICY_LOSSES.find
 
 
 def kl_penalty(logp, ref_logp, kind):
