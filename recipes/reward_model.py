@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 import hflow
+from hflow import stopping
 from hflow.config import ModelConfig, OptimConfig
 from hflow.data import PromptSampler
 from hflow.algos import pair_loss
@@ -122,8 +123,11 @@ def main(cluster: hflow.Cluster, cfg: Config):
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate_pairs(rm, val, pad_id, cfg.cost)
         logger.log(step, metrics)
+        if stopping.requested():   # no checkpoints here: keep the model trained so far
+            break
     rm.export_hf(f"{cfg.output_dir}/model", str(path))
     logger.close()
+    stopping.stop_if_asked(f"after step {step}; the model so far is exported to {cfg.output_dir}/model")
     print(f"held-out pair accuracy {metrics['eval/pair_accuracy']:.3f}; model exported to {cfg.output_dir}/model")
 
 

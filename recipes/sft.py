@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 import hflow
+from hflow import stopping
 from hflow.algos import nll_loss
 from hflow.config import ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig
 from hflow.data import PromptSampler, load_prompts
@@ -75,9 +76,12 @@ def main(cluster: hflow.Cluster, cfg: Config):
             print(f"sft step {step}: loss {metrics['actor/loss']:.4f}, held-out greedy reward {reward:.3f}")
             if reward >= cfg.stop_at > 0:
                 break
+        if stopping.requested():   # no checkpoints here: keep the model trained so far
+            break
     bar.close()
     scorer.close()
     actor.export_hf(f"{cfg.output_dir}/model", model_dir)
+    stopping.stop_if_asked(f"after sft step {step}; the model so far is exported to {cfg.output_dir}/model")
     print(f"held-out reward {reward:.3f}; model exported to {cfg.output_dir}/model")
 
 

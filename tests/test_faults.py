@@ -74,3 +74,17 @@ def test_a_fault_mid_checkpoint_keeps_the_last_complete_one_and_resume_matches_a
     a, b = {r["step"]: without_timing(r) for r in rows(straight)}, {r["step"]: without_timing(r) for r in rows(faulted)}
     for step in (3, 4):
         assert a[step] == pytest.approx(b[step], rel=1e-5, abs=1e-7), step
+
+
+@pytest.mark.dist
+@pytest.mark.faults
+def test_a_run_that_crashed_before_its_first_checkpoint_is_started_again_by_resume(tiny_model, tmp_path):
+    """It used to leave metrics with step 0 and nothing else: the same command was refused (an
+    earlier run) and so was --trainer.resume (no checkpoint)."""
+    out = tmp_path / "out"
+    run, _ = faulted_ppo(tiny_model, out, "update:1:kill")
+    assert all(code != 0 for code in run.returncodes) and [r["step"] for r in rows(out)] == [0], run.output
+    again = run_ranks(str(RECIPES / "ppo.py"), 2, tmp_path=tmp_path, timeout=300,
+                      args=small_run(tiny_model, out, 2, "--algo.critic-warmup", 0, "--trainer.resume")).check()
+    assert "nothing to resume" in again.output and "starting at step 0" in again.output, again.output
+    assert [r["step"] for r in rows(out)] == [0, 1, 2]

@@ -122,7 +122,7 @@ LAYERS = {
     "batch": 0, "transport": 0, "parallel": 0, "validation": 0, "metrics": 0, "measure": 0, "faults": 0,
     "by_model": 0,
     # 1: building blocks
-    "layout": 1, "dispatch": 1, "server": 1, "checkpoint": 1, "reshard": 1, "algos": 1, "engine": 1, "rewards": 1,
+    "layout": 1, "dispatch": 1, "server": 1, "stopping": 1, "checkpoint": 1, "reshard": 1, "algos": 1, "engine": 1, "rewards": 1,
     # 2: components
     "data": 2, "workers": 2, "controller": 2, "run": 2,
     # 3: what recipes are made of

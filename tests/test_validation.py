@@ -120,12 +120,22 @@ def test_a_used_output_dir_is_refused_unless_resumed_or_overwritten(tmp_path, ca
     assert "removed the earlier run's metrics.jsonl, checkpoints" in capsys.readouterr().out
 
 
-def test_resume_without_a_checkpoint_says_so(tmp_path, capsys):
-    out = tmp_path / "out"
-    (out).mkdir()
-    (out / "metrics.jsonl").write_text("{}\n")   # a run that never saved
-    with pytest.raises(ConfigError, match="no complete checkpoint to continue from"):
-        check_config(dataclasses.replace(CONFIGS["ppo"], trainer=trainer(out, resume=True)))
+def test_resume_without_a_checkpoint_starts_over_unless_the_run_had_finished(tmp_path, capsys):
+    """A run that crashed at step 1 leaves metrics (step 0) and no checkpoint: --trainer.resume
+    starts it again at step 0 (it used to be refused, as was the plain command); a finished
+    run (exported) with no checkpoint is not replaced without --trainer.overwrite."""
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "metrics.jsonl").write_text('{"step": 0}\n')
+    cfg = dataclasses.replace(CONFIGS["ppo"], trainer=trainer(crashed, resume=True))
+    check_config(cfg)
+    prepare_output_dir(cfg.trainer)
+    assert "nothing to resume in" in capsys.readouterr().out
+    finished = tmp_path / "finished"
+    (finished / "actor_hf").mkdir(parents=True)
+    (finished / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(ConfigError, match="holds a finished run .*no complete checkpoint"):
+        check_config(dataclasses.replace(CONFIGS["ppo"], trainer=trainer(finished, resume=True)))
     fresh = trainer(tmp_path / "fresh", resume=True)
     check_config(dataclasses.replace(CONFIGS["ppo"], trainer=fresh))
     prepare_output_dir(fresh)

@@ -3,6 +3,7 @@ by what the run is doing, not by a sleep.
 
     HFLOW_FAULT=update:1:kill        rank 1 SIGKILLs itself when it first reaches an update
     HFLOW_FAULT=generate:1:stop:2    rank 1 SIGSTOPs itself the 2nd time it reaches a generate
+    HFLOW_FAULT=update:0:int:3       rank 0 sends itself SIGINT (a Ctrl-C) at its 3rd update
 
 Phases: `generate` (the engine call), `handoff` (the actor's weights into the engine),
 `log_probs` (a forward of the actor or reference), `update` (a training step), `checkpoint`
@@ -34,14 +35,15 @@ def parse(spec: str | None) -> Fault | None:
     parts = spec.split(":")
     try:
         phase, rank, action, *nth = parts
-        if phase not in PHASES or action not in ("kill", "stop") or len(nth) > 1:
+        if phase not in PHASES or action not in ACTIONS or len(nth) > 1:
             raise ValueError
-        return Fault(phase, int(rank), signal.SIGKILL if action == "kill" else signal.SIGSTOP,
-                     int(nth[0]) if nth else 1)
+        return Fault(phase, int(rank), ACTIONS[action], int(nth[0]) if nth else 1)
     except ValueError:
-        raise ValueError(f"HFLOW_FAULT={spec!r}: expected PHASE:RANK:kill|stop[:NTH] with PHASE one "
+        raise ValueError(f"HFLOW_FAULT={spec!r}: expected PHASE:RANK:kill|stop|int|term[:NTH] with PHASE one "
                          f"of {', '.join(PHASES)}") from None
 
+
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "int": signal.SIGINT, "term": signal.SIGTERM}
 
 _fault = parse(os.environ.get("HFLOW_FAULT"))
 _reached: dict[str, int] = {}

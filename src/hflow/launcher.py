@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
-from . import transport
+from . import stopping, transport
 from .by_model import resolve_defaults
 from .controller import Cluster, env_float
 from .parallel import pick_device, set_device
@@ -41,6 +41,8 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
     ranks leave quietly."""
     _default_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Ctrl-C / SIGTERM: rank 0 finishes and saves the step, the others wait for it (stopping.py)
+    stopping.install() if rank == 0 else stopping.ignore()
     _loopback_if_single_node(world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     wanted = os.environ.get("HFLOW_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
@@ -73,20 +75,32 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
                 raise
             result = None
         cluster._close()
+    except stopping.RunInterrupted as e:   # saved what it could: one message, the other ranks leave quietly
+        log(str(e))
+        _record_for_torchrun(str(e).splitlines()[0])
+        _close_quietly(cluster, e)
     except UserError as e:   # e.g. a flag found wrong in main: the message is the story, no traceback
         _print_config_error(e)
-        try:
-            cluster._close()       # the other ranks leave quietly, with status 0
-            _leave()
-        except BaseException:
-            cluster._abort("stopped (see rank 0's message)", code=e.exit_code)
-        hard_exit(e.exit_code)
-    except BaseException as e:   # KeyboardInterrupt too: every rank must go
+        _close_quietly(cluster, e)
+    except KeyboardInterrupt:   # a second Ctrl-C: stop now, without the step in progress
+        cluster._abort("stopped at once by a second Ctrl-C (the step in progress is not saved; "
+                       "--trainer.resume continues from the last checkpoint)", code=128 + 2)
+    except BaseException as e:   # every rank must go
         traceback.print_exc()
         first_line = (str(e).splitlines() or [""])[0].split("; its traceback")[0]
         cluster._abort(f"the controller failed: {type(e).__name__}: {first_line}")
     _leave()
     return result
+
+
+def _close_quietly(cluster: Cluster, e: UserError) -> None:
+    """End with `e.exit_code` after rank 0 said why: the other ranks leave with status 0."""
+    try:
+        cluster._close()
+        _leave()
+    except BaseException:
+        cluster._abort("stopped (see rank 0's message)", code=e.exit_code)
+    hard_exit(e.exit_code)
 
 
 def _parse_and_check(cfg, rank: int):

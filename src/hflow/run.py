@@ -9,6 +9,9 @@ logger, the evaluation and checkpoint cadence, the final export. Never the algor
         run.end_step(step, metrics)   # evaluates, logs and checkpoints on their cadence
     run.finish()                      # exports the final policy, closes the logger
 
+A Ctrl-C or SIGTERM (hflow.stopping) ends the run after the step in progress, with that step
+checkpointed whatever --trainer.save-every says, so that --trainer.resume continues it.
+
 `trained` are the worker groups whose models, optimizers and schedules each checkpoint holds;
 `state` holds controller objects with state_dict/load_state_dict (the data sampler, a KL
 controller), saved with every checkpoint and restored on resume together with the RNG.
@@ -18,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterator
 
-from hflow import checkpoint
+from hflow import checkpoint, stopping
 from hflow.metrics import MetricsLogger
 from hflow.validation import UserError
 
@@ -33,22 +36,27 @@ class Run:
         self.cfg, self.trained, self.state = trainer, trained, state or {}
         self.evaluate, self.export = evaluate, export
         self.root = Path(trainer.output_dir) / "checkpoints"
-        self.start_step = 0
+        self.start_step, resumed = 0, False
         if trainer.resume and (extra := checkpoint.resume_run(self.root, trained)):
+            resumed = True
             self.start_step = extra["step"]
             for name, obj in self.state.items():
                 obj.load_state_dict(extra[name])
             print(f"hflow: resumed from step {self.start_step} ({self.root / f'step_{self.start_step}'}): "
                   f"steps {self.start_step + 1}..{trainer.steps} to go", flush=True)
-        self.skipped = 0
+        self.skipped, self.saved_step = 0, self.start_step
         self.logger = MetricsLogger(trainer.output_dir, trainer.logging, trainer.steps,
-                                    resume_step=self.start_step if trainer.resume else None)
+                                    resume_step=self.start_step if resumed else None)
 
     def steps(self) -> Iterator[int]:
         """1 .. --trainer.steps, after the resumed step; a fresh run first logs step 0's evaluation."""
+        self._stop_if_asked(None)
         if self.start_step == 0 and self.evaluate:
             self.logger.log(0, self.evaluate())
-        yield from range(self.start_step + 1, self.cfg.steps + 1)
+        for step in range(self.start_step + 1, self.cfg.steps + 1):
+            self._stop_if_asked(step - 1)
+            yield step
+        self._stop_if_asked(self.cfg.steps)   # asked during the last step: it is saved all the same
 
     def end_step(self, step: int, metrics: dict) -> None:
         """Evaluate every --trainer.eval-every steps and at the last, log, checkpoint every
@@ -64,8 +72,31 @@ class Run:
                              f"{self.cfg.max_skipped_steps}: lower the learning rate, look for inf/NaN in "
                              f"the rewards or data, or raise the limit")
         if self.cfg.save_every and step % self.cfg.save_every == 0:
-            extra = {name: obj.state_dict() for name, obj in self.state.items()}
-            checkpoint.save_run(self.root, step, self.trained, extra, self.cfg.keep_last)
+            self._save(step)
+
+    def _save(self, step: int) -> None:
+        extra = {name: obj.state_dict() for name, obj in self.state.items()}
+        checkpoint.save_run(self.root, step, self.trained, extra, self.cfg.keep_last)
+        self.saved_step = step
+
+    def _stop_if_asked(self, completed: int | None) -> None:
+        """After a Ctrl-C / SIGTERM: checkpoint the last completed step and end the run."""
+        signum = stopping.requested()
+        if signum is None:
+            return
+        name = stopping.signal_name(signum)
+        if completed is None or completed == self.start_step:
+            latest = checkpoint.latest_checkpoint(self.root)
+            kept = f"the last checkpoint is {latest}" if latest else "no checkpoint was made"
+            what = f"before step {self.start_step + 1} ({kept})"
+        else:
+            if self.saved_step != completed:
+                self._save(completed)
+            what = f"after step {completed} of {self.cfg.steps}, saved in {checkpoint.checkpoint_dir(self.root, completed)}"
+        self.logger.close()
+        again = "" if self.cfg.resume else " and --trainer.resume"
+        raise stopping.RunInterrupted(f"hflow: stopped by {name} {what}; continue with the same command{again}",
+                                      signum)
 
     def finish(self) -> None:
         """Export the policy (`export` = (worker group, tokenizer directory)) to output_dir/actor_hf."""

@@ -190,9 +190,11 @@ def output_dir_problems(trainer) -> list[str]:
     overwrite = getattr(trainer, "overwrite", False)
     if trainer.resume and overwrite:
         return ["--trainer.resume and --trainer.overwrite: choose one (continue the run there, or replace it)"]
-    if trainer.resume and earlier and not complete_checkpoints(out):
-        return [f"--trainer.resume: {out} holds a run ({', '.join(earlier)}) but no complete checkpoint "
-                f"to continue from (it ran without --trainer.save-every?); start over with "
+    # a run that failed before its first checkpoint is started again by --trainer.resume (it has
+    # nothing to lose but its metrics); one that ended with its export is not silently replaced
+    if trainer.resume and "actor_hf" in earlier and not complete_checkpoints(out):
+        return [f"--trainer.resume: {out} holds a finished run ({', '.join(earlier)}) but no complete "
+                f"checkpoint to continue from (it ran without --trainer.save-every?); start over with "
                 f"--trainer.overwrite, or choose another --trainer.output-dir"]
     if earlier and not trainer.resume and not overwrite:
         return [f"--trainer.output-dir {out} holds an earlier run ({', '.join(earlier)}): continue it with "

@@ -14,6 +14,7 @@ from typing import Callable
 
 from transformers import AutoTokenizer
 
+from hflow import stopping
 from hflow.algos import pair_loss
 from hflow.data import DataConfig, PromptSampler, iter_batches, load_prompts
 from hflow.data.preference import PairDataConfig, builtin_pair_rows, pair_batch, tokenize_pairs
@@ -134,6 +135,8 @@ def default_reward_model(cluster, kind: str = "reward", rows: Callable[[str, int
         for step in range(1, judge.steps + 1):
             metrics = rm.update(pair_batch(next(sampler), tokenizer.pad_token_id), loss_fn)[0]
             bar.update(1)
+            stopping.stop_if_asked(f"while training the embedded default's {kind} model (step {step} of "
+                                   f"{judge.steps}; nothing cached: it is trained again next time)")
             if step % 100 == 0 or step == judge.steps:
                 held_out = evaluate_pairs(rm, val, tokenizer.pad_token_id, cost)
                 print(f"{kind} model step {step}: loss {metrics['rm/loss']:.4f}, held-out "

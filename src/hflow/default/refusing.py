@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from hflow import stopping
 from hflow.algos import nll_loss
 from hflow.data import PromptSampler
 from hflow.default.cache import build_once
@@ -35,7 +36,9 @@ def refusing_policy(cluster, policy_dir: str, train, tokenizer, refusal_rate: fl
               f"in {final})", flush=True)
         sampler = PromptSampler(train, batch_size, shuffle=True, seed=1)
         generator = torch.Generator().manual_seed(0)
-        for _ in range(steps):
+        for step in range(1, steps + 1):
+            stopping.stop_if_asked(f"while teaching the default to refuse (step {step} of {steps}; nothing "
+                                   "cached: it is taught again next time)")
             rows = next(sampler)
             refuse = (torch.rand(len(rows), generator=generator) < refusal_rate).tolist()
             actor.update(supervised_batch([dataclasses.replace(p, ground_truth="") if r else p

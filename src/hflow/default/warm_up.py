@@ -5,10 +5,12 @@ right). Built once and cached, like the model itself.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from hflow import checkpoint, stopping
 from hflow.algos import nll_loss
 from hflow.data import DataConfig, PromptSampler, load_prompts
 from hflow.default.cache import build_once
@@ -54,8 +56,14 @@ def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float
         # supervised on prompt -> answer, checked every 25 steps on 200 held-out prompts (greedy)
         sampler = PromptSampler(train, 128, shuffle=True, seed=seed)
         rollout = RolloutConfig(n=1, temperature=1.0, max_tokens=5, progress=False)
-        reward, bar = float("nan"), progress(total=max_steps, desc="sft")
-        for step in range(1, max_steps + 1):
+        reward, first = float("nan"), 1
+        # a warm-up stopped by Ctrl-C (stopping.py) saved its last step: continue it, bit for bit
+        if (state := checkpoint.resume_run(partial, {"actor": actor})) is not None:
+            sampler.load_state_dict(state["data"])
+            reward, first = state["reward"], state["step"] + 1
+            print(f"continuing the interrupted warm-up from sft step {state['step']} ({partial})", flush=True)
+        bar = progress(total=max_steps - first + 1, desc="sft")
+        for step in range(first, max_steps + 1):
             metrics = actor.update(supervised_batch(next(sampler), tokenizer), nll_loss)[0]
             bar.update(1)
             if step % 25 == 0 or step == max_steps:
@@ -63,6 +71,13 @@ def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float
                 print(f"sft step {step}: loss {metrics['actor/loss']:.4f}, held-out greedy reward {reward:.3f}")
                 if reward >= stop_at:
                     break
+            if (signum := stopping.requested()) is not None:
+                bar.close()
+                checkpoint.save_run(partial, step, {"actor": actor},
+                                    {"data": sampler.state_dict(), "reward": reward}, keep_last=1)
+                raise stopping.RunInterrupted(
+                    f"hflow: stopped by {stopping.signal_name(signum)} during the warm-up of the embedded "
+                    f"default, after sft step {step}, saved in {partial}; the same command continues it", signum)
         bar.close()
         rule.close()
         if reward < stop_at:
@@ -72,4 +87,7 @@ def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float
         actor.close()   # the recipe spawns its own workers on the warmed-up policy
 
     final = default_policy_dir(size, seed, stop_at, cache_dir)
-    return build_once(final, warm_up)
+    partial = final.with_name(final.name + ".partial")
+    built = build_once(final, warm_up)
+    shutil.rmtree(partial, ignore_errors=True)
+    return built
