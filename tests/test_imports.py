@@ -123,6 +123,9 @@ LAYERS = {
     "by_model": 0,
     # 1: building blocks
     "layout": 1, "dispatch": 1, "server": 1, "stopping": 1, "checkpoint": 1, "reshard": 1, "algos": 1, "engine": 1, "rewards": 1,
+    # 1.5: agents (environments, tools, trajectories) use the engine's and rewards' pieces, and
+    # the workers (2) run them
+    "agents": 1.5,
     # 2: components
     "data": 2, "workers": 2, "controller": 2, "run": 2,
     # 3: what recipes are made of
