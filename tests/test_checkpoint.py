@@ -73,6 +73,20 @@ def test_latest_ignores_tmp_and_keep_last_prunes(tmp_path):
     assert ck.latest_checkpoint(tmp_path / "missing") is None
 
 
+def test_a_failed_later_save_is_cleared_when_the_next_save_begins_and_on_resume(tmp_path):
+    """Resumed from step 2 after step 4's save failed: step_4.tmp must not hold its disk space
+    until some later commit (the save of step 3 would run out of room first)."""
+    model, opt, sched = _tiny_training()
+    ck.save_checkpoint(tmp_path, 2, {"train": ck.ModelState(model, opt, sched)})
+    (tmp_path / "step_4.tmp" / "state").mkdir(parents=True)
+    (tmp_path / "step_4.tmp" / "state" / "__0_0.distcp").write_bytes(b"partial")
+    assert ck.begin_save(tmp_path, 3) == tmp_path / "step_3.tmp"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3.tmp"]
+    (tmp_path / "step_4.tmp").mkdir()
+    assert ck.resume_run(tmp_path, {}) == {"step": 2, "changed_settings": {}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
+
+
 def test_saving_a_step_again_replaces_it(tmp_path):
     model, opt, sched = _tiny_training()
     state = {"train": ck.ModelState(model, opt, sched)}

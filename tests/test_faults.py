@@ -72,8 +72,10 @@ def test_a_fault_mid_checkpoint_keeps_the_last_complete_one_and_resume_matches_a
     assert resumed.returncodes == [0, 0], resumed.output
     assert sorted(p.name for p in (faulted / "checkpoints").iterdir()) == ["step_2", "step_4"]   # no .tmp left
     a, b = {r["step"]: without_timing(r) for r in rows(straight)}, {r["step"]: without_timing(r) for r in rows(faulted)}
+    # same ranks, same flags, same thread counts: the resumed steps are the same computation, so
+    # equal to the last bit (a tolerance would hide state that the checkpoint misses)
     for step in (3, 4):
-        assert a[step] == pytest.approx(b[step], rel=1e-5, abs=1e-7), step
+        assert a[step] == b[step], (step, {k: (a[step][k], b[step].get(k)) for k in a[step] if a[step][k] != b[step].get(k)})
 
 
 @pytest.mark.dist

@@ -42,8 +42,11 @@ class Run:
             self.start_step = extra["step"]
             for name, obj in self.state.items():
                 obj.load_state_dict(extra[name])
+            changed = "".join(f"; {role}'s {name} {old} -> {new}" for role, settings in extra["changed_settings"].items()
+                              for name, (old, new) in settings.items())
             print(f"hflow: resumed from step {self.start_step} ({self.root / f'step_{self.start_step}'}): "
-                  f"steps {self.start_step + 1}..{trainer.steps} to go", flush=True)
+                  f"steps {self.start_step + 1}..{trainer.steps} to go"
+                  + (f" (this run's flags replace the checkpoint's{changed})" if changed else ""), flush=True)
         self.skipped, self.saved_step = 0, self.start_step
         self.logger = MetricsLogger(trainer.output_dir, trainer.logging, trainer.steps,
                                     resume_step=self.start_step if resumed else None)

@@ -246,10 +246,11 @@ class ModelWorker:
         return {"model": ModelState(self.model, self.optimizer, self.scheduler)}
 
     @dispatch("all")
-    def save(self, path: str) -> None:
+    def save(self, path: str) -> dict[str, dict]:
         """Sharded checkpoint (torch.distributed.checkpoint) of the model, optimizer and
-        schedule in the directory `path`. Collective over the group."""
-        save_sharded(path, self._state(), self.mesh.get_group())
+        schedule in the directory `path`. Collective over the group. Returns the size and sha256
+        of the files this rank wrote, for the checkpoint's manifest."""
+        return save_sharded(path, self._state(), self.mesh.get_group())
 
     @dispatch("all")
     def load(self, path: str) -> dict[str, tuple]:

@@ -1,0 +1,49 @@
+"""Checkpoints: sharded save/resume with torch.distributed.checkpoint, and Hugging Face export.
+
+Layout of a checkpoint root (`--trainer.output-dir`/checkpoints):
+
+    step_4/               complete: renamed from step_4.tmp only after every rank finished
+      <name>/.metadata, __0_0.distcp, ...   one DCP checkpoint per sharded state (e.g. actor, critic)
+      extra.json          the controller's state (data position, KL controller, RNG, ...)
+      manifest.json       size and sha256 of every file above, written last
+    step_6.tmp/           a save in progress, or one that failed or was interrupted: never read,
+                          removed when the next save begins and on resume
+
+The rename is the commit: a crash at any point leaves every earlier `step_N` intact, and
+`latest_checkpoint` ignores `.tmp` directories. A save that fails (a full disk says so, with
+the free space) removes its `.tmp`. Resuming checks the newest checkpoint's files against its
+manifest and falls back to the newest one that verifies, saying which was damaged.
+
+Loading runs no code from the checkpoint: `extra.json` and the RNG states are JSON, and DCP's
+pickles are read through allowlists (safe_format). Checkpoints of older hflow versions (no
+manifest, `extra.pt`) still load, unverified, with a warning.
+
+Two ways to drive it:
+- SPMD (every rank of one group runs the same code): `save_checkpoint` / `load_checkpoint`.
+- Single controller (hflow's recipes): `save_run` / `resume_run`. The controller calls
+  `begin_save`, asks each worker group to `save_sharded(tmp / role, state, group)` (which returns
+  the hashes of what each rank wrote), waits for all of them, writes `write_extra` and the
+  manifest, then `commit`. Resume: each group `load_sharded(path / role, ...)`, `read_extra`.
+
+Sharded state is a dict of `Stateful` objects (`ModelState`, `RNGState`) and/or tensors; DCP
+saves each rank's shards in parallel and reshards on load. Optimizer state is initialised by
+`get_state_dict` before loading, so a freshly built optimizer can be resumed into.
+
+Modules: dirs (the directories and the commit), sharded (DCP save/load), integrity (the
+manifest), safe_format (JSON and allowlisted pickles), extra, state, spmd, runs, export, errors.
+"""
+from .dirs import (begin_save, checkpoint_dir, checkpoint_step, commit, latest_checkpoint, list_checkpoints,
+                   prune_stale, temporary_dir)
+from .errors import CheckpointError
+from .export import export_hf
+from .extra import EXTRA_FILE, read_extra, write_extra
+from .integrity import MANIFEST, verify
+from .runs import resume_run, save_run
+from .sharded import load_sharded, save_sharded
+from .spmd import load_checkpoint, save_checkpoint
+from .state import ModelState, RNGState, rng_state, set_rng_state
+
+__all__ = ["save_run", "resume_run", "latest_checkpoint", "list_checkpoints", "checkpoint_dir", "checkpoint_step",
+           "begin_save", "commit", "save_sharded", "load_sharded", "write_extra", "read_extra", "save_checkpoint",
+           "load_checkpoint", "export_hf", "ModelState", "RNGState", "rng_state", "set_rng_state",
+           "temporary_dir", "prune_stale", "verify", "CheckpointError", "EXTRA_FILE", "MANIFEST"]

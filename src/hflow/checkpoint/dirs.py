@@ -1,0 +1,117 @@
+"""The directories of a checkpoint root: `step_N` (complete), `step_N.tmp` (a save in progress or
+one that failed), and the rename between them that commits a save."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
+_OLD_DIR = re.compile(r"^(step_\d+)\.old$")
+
+
+def checkpoint_dir(root, step: int) -> Path:
+    return Path(root) / f"step_{step}"
+
+
+def temporary_dir(root, step: int) -> Path:
+    return Path(root) / f"step_{step}.tmp"
+
+
+def checkpoint_step(path) -> int:
+    """The step of a `step_N` directory."""
+    match = _STEP_DIR.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint directory (expected a name like step_12)")
+    return int(match.group(1))
+
+
+def list_checkpoints(root) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first (`.tmp` and other names ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(root) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def prune_stale(root) -> list[Path]:
+    """Remove what no save will finish: every `step_N.tmp`, and a `step_N.old` whose `step_N`
+    exists. Only while nothing is saving (before a save begins, at resume): a failed save's
+    partial files would otherwise hold the disk space the next save needs."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in root.iterdir():
+        old = _OLD_DIR.match(path.name)
+        if _TMP_DIR.match(path.name) or (old and (root / old.group(1)).is_dir()):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def begin_save(root, step: int) -> Path:
+    """Make an empty `step_N.tmp`, clearing what earlier saves left (see `prune_stale`). One
+    process."""
+    prune_stale(root)
+    tmp = temporary_dir(root, step)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(root, step: int, keep_last: int | None = None) -> Path:
+    """Rename `step_N.tmp` to `step_N` once everything is written; keep the last `keep_last`.
+
+    Call on one process, after every rank's save returned. An existing `step_N` (a run resumed
+    from an earlier step) is replaced: it is moved aside first, so that a crash between the two
+    renames still leaves the older checkpoints.
+    """
+    tmp, final = temporary_dir(root, step), checkpoint_dir(root, step)
+    if not tmp.is_dir():
+        raise FileNotFoundError(f"nothing to commit: {tmp} does not exist (call begin_save first)")
+    old = None
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    _prune(root, step, keep_last)
+    return final
+
+
+def fsync_dir(path: Path):
+    # Make the rename itself durable (POSIX), not only the files inside.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _prune(root, step: int, keep_last: int | None):
+    root = Path(root)
+    # Interrupted saves of earlier steps will never be completed.
+    for path in root.glob("step_*.tmp"):
+        match = _TMP_DIR.match(path.name)
+        if match and int(match.group(1)) < step:
+            shutil.rmtree(path, ignore_errors=True)
+    if keep_last is not None and keep_last > 0:
+        for path in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
