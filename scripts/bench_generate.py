@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -279,6 +280,7 @@ def main():
     runs = {name: ENGINES[name](model, prompts, args.n, args.max_new_tokens, eos, args.seed,
                                 **({"recipe": w["recipe"]} if name == "hflow" else {})) for name in names}
     best: dict[str, tuple[float, int, float, float]] = {}
+    load_before = os.getloadavg()[0]
     for rep in range(args.repeat):  # interleaved, so that a busy spell hits every engine alike
         for name in names:
             if getattr(runs[name], "prepare", None):
@@ -290,6 +292,14 @@ def main():
                   f"(process CPU {cpu:.1f} s)", flush=True)
             if name not in best or tokens / dt > best[name][0]:
                 best[name] = (tokens / dt, tokens, dt, cpu)
+    # a reading taken while other processes held the cores is no evidence of a regression: the
+    # engine's short runs and the peers' long ones meet the busy spells unequally (this process's
+    # own --threads count in the load average)
+    load_after = os.getloadavg()[0]
+    print(f"machine load (1-min average) {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} CPUs, "
+          f"{args.threads} of it this run's"
+          + (": busy, the ratio below is not comparable with an idle machine's" if max(load_before, load_after)
+             > args.threads + 1 else ""))
     print(f"best of {args.repeat}:")
     for name in names:
         rate, tokens, dt, cpu = best[name]
