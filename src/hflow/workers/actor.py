@@ -179,6 +179,37 @@ class Actor(ModelWorker):
         finally:
             engine.end()
 
+    @dispatch("dp")
+    def sample_agent(self, rows: Batch, env, rollout: RolloutConfig, limits=None) -> Batch:
+        """`rollout.n` multi-turn trajectories per row on the weights begin_rollout loaded:
+        `env` is an environment by name (agent_rollout.BUILTIN_ENVIRONMENTS), 'module:Class'
+        or a class, built on this rank for each trajectory; `limits` an agents.AgentLimits.
+        Returns the layout's tensors (response_mask 1 only on the model's tokens) and per-row
+        trajectory_reward, finish_reason, turns, tool calls, prefill counts (see
+        agent_rollout.sample_agent; agent_rollout_metrics turns them into figures)."""
+        from hflow.agents import AgentLimits
+        from hflow.workers import agent_rollout
+        llm = self._hybrid_engine().agent_engine(rollout)
+        if getattr(self, "_agent_tokenizer", None) is None:
+            from transformers import AutoTokenizer
+            self._agent_tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
+        config = self.model.config
+        pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        # dispatch cuts the rows into equal contiguous shards in dp order: this shard's first global row
+        offset = self.mesh.get_local_rank("dp") * len(rows) if "dp" in (self.mesh.mesh_dim_names or ()) else 0
+        return agent_rollout.sample_agent(llm, rows, env, rollout, limits or AgentLimits(), self._agent_tokenizer,
+                                          pad_id, self.mesh, row_offset=offset)
+
+    @dispatch("dp")
+    def generate_agent(self, rows: Batch, env, rollout: RolloutConfig, limits=None) -> Batch:
+        """begin_rollout, sample_agent and end_rollout in one call."""
+        engine = self._hybrid_engine()
+        engine.begin(rollout)
+        try:
+            return self.sample_agent(rows, env, rollout, limits)
+        finally:
+            engine.end()
+
     @staticmethod
     def wrap(mb: dict[str, torch.Tensor], like):
         """Hand the loss function the same kind of object the worker was given."""

@@ -128,6 +128,19 @@ class HybridEngine:
         start = sum(len(part) for part in pooled[:mine])
         return outputs[start:start + len(prompts)]
 
+    def agent_engine(self, cfg: RolloutConfig) -> LLM:
+        """The engine for a multi-turn rollout (workers/agent_rollout.py) on begin()'s weights.
+        Only tp_size 1: a tp group's engines must take the same requests in the same steps,
+        and each rank's tool calls answer when they answer."""
+        if self.open_rollout is None:
+            raise RuntimeError("sample_agent without begin_rollout: the engine holds no weights; call "
+                               "begin_rollout(rollout) first (or generate_agent, which does all three)")
+        if cfg.tp_size != 1 or self.open_rollout.tp_size != 1:
+            raise ValueError("multi-turn agent rollouts need --rollout.tp-size 1 (a tensor-parallel engine "
+                             "cannot yet wait for its ranks' tool calls)")
+        fault_point("generate")
+        return self.llm
+
     def end(self) -> None:
         """Put the engine to sleep: free its KV cache, and its weights unless the rollout's
         config keeps them (free_weights_when_asleep)."""

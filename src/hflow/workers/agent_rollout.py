@@ -1,0 +1,244 @@
+"""Multi-turn rollouts on an actor rank: many AgentSessions in flight on one engine (issue 24).
+
+    batch = sample_agent(llm, rows, "calculator", rollout, limits, tokenizer, pad_id, mesh)
+
+Every (row, sample) is one session. Each session's first turn is queued at once; whenever the
+engine finishes a turn, its environment step (tool calls) goes to a thread (agents.TurnRunner)
+and the engine keeps decoding the others; when the step answers, the session's next turn is
+queued with the whole stream as its prompt, so the prefix cache supplies the KV of every
+full block of the earlier turns. The batch is in hflow.layout's layout with response_mask 1
+only on the model's tokens.
+
+Seeds: a turn's seed is derived from (rollout.seed, global row index, sample index, turn), and
+the engine mixes the prompt into each stream, so a trajectory does not depend on which rank ran
+it or on what was decoded beside it: the same seed gives the same trajectories on any number
+of ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections import Counter
+from typing import Callable, Union
+
+import torch
+
+from hflow.agents import (AgentLimits, AgentSession, ChatRenderer, Environment, Segment, TextRenderer,
+                          ToolEnvironment, Trajectory, TurnRunner, load_environment, trajectory_tensors)
+from hflow.agents.trajectory import MAX_TOKENS
+from hflow.batch import Batch
+from hflow.engine import LLM, SamplingParams
+from hflow.workers.rollout import RolloutConfig, group_max
+
+EnvSpec = Union[str, Callable[[], Environment]]
+
+# picklable factories by name: what `--agent.env calculator` style flags can say
+BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
+    "calculator": functools.partial(ToolEnvironment, ("calculator",), format="tags"),
+    "calculator_hermes": functools.partial(ToolEnvironment, ("calculator",), format="hermes"),
+}
+
+# columns a prompts Batch carries that are the prompt itself, not a row's data
+_PROMPT_COLUMNS = ("prompt_ids", "input_ids", "attention_mask")
+
+
+def environment_factory(spec: EnvSpec) -> Callable[[], Environment]:
+    """A built-in name, 'module:Class' / 'path/file.py:Class', or a class / picklable factory."""
+    if isinstance(spec, str):
+        return BUILTIN_ENVIRONMENTS[spec] if spec in BUILTIN_ENVIRONMENTS else load_environment(spec)
+    if callable(spec):
+        return spec
+    raise TypeError(f"an environment spec is a name ({', '.join(BUILTIN_ENVIRONMENTS)}), 'module:Class' or a "
+                    f"class, not {type(spec).__name__}")
+
+
+def pick_renderer(tokenizer, env: Environment):
+    """The chat template when the tokenizer has one; plain text otherwise, and for the tags
+    format, whose results TextRenderer wraps itself (a small model's template may not know a
+    tool role)."""
+    fmt = getattr(getattr(env, "format", None), "name", None)
+    if getattr(tokenizer, "chat_template", None) and fmt != "tags":
+        return ChatRenderer(tokenizer, tools=env.tool_schemas() or None)
+    return TextRenderer(tokenizer)
+
+
+def turn_seed(seed: int, row: int, sample: int, turn: int) -> int:
+    digest = hashlib.sha256(f"hflow-agent-{seed}-{row}-{sample}-{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+def row_dicts(rows: Batch, tokenizer) -> list[dict]:
+    """Each row as the dict an environment's reset takes. hflow's prompt batches hold token ids,
+    a ground truth and extra columns: those become 'prompt' (decoded), 'answer' and the extras,
+    unless the batch has such columns itself."""
+    out = []
+    for i in range(len(rows)):
+        row = {}
+        for key, value in rows.items():
+            v = value[i]
+            row[key] = v.tolist() if isinstance(v, torch.Tensor) else v
+        extra = row.pop("extra", None)
+        if isinstance(extra, dict):
+            row = {**extra, **row}
+        if "ground_truth" in row:
+            row.setdefault("answer", row["ground_truth"])
+        if "prompt" not in row and "prompt_ids" in row:
+            row["prompt"] = tokenizer.decode(row["prompt_ids"], skip_special_tokens=True)
+        out.append(row)
+    return out
+
+
+class PrefillCounter:
+    """Prompt tokens the engine computed vs. those its requests carried, per request id.
+
+    The engine does not report its prefix-cache hits, so this wraps its scheduler's `schedule`
+    for the duration (on this instance only) and reads each prefill's `num_cached_tokens`: the
+    tokens a prefill step feeds the model are exactly len(seq) - min(cached, len(seq) - 1).
+    An engine without those leaves the counts empty (no metric) rather than failing a rollout."""
+
+    def __init__(self, llm: LLM):
+        self.scheduler = getattr(llm, "scheduler", None)
+        self.computed: Counter = Counter()
+        self.total: Counter = Counter()
+        self.measured = False
+
+    def __enter__(self):
+        original = getattr(self.scheduler, "schedule", None)
+        if original is None:
+            return self
+
+        def schedule(*args, **kwargs):
+            result = original(*args, **kwargs)
+            seqs, is_prefill = result[0], result[1]
+            if is_prefill:
+                for s in seqs:
+                    self.computed[s.request_id] += len(s) - min(s.num_cached_tokens, len(s) - 1)
+            return result
+        self.scheduler.schedule = schedule
+        self.measured = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.measured:
+            del self.scheduler.schedule   # the class's method again
+
+
+def run_sessions(llm: LLM, sessions: dict, rollout: RolloutConfig, stop_ids: list[int], seed_of) -> PrefillCounter:
+    """Drive every session to its end on `llm` (which must be idle); `seed_of(key, turn)` seeds
+    each turn. Returns the prefill counts per session key."""
+    turns, turn_index = TurnRunner(), Counter()
+    counts = PrefillCounter(llm)
+
+    def queue(key) -> None:
+        s = sessions[key]
+        ids = s.token_ids()
+        if len(ids) >= llm.max_model_len:   # the engine cannot take it: the response budget is spent
+            s.trajectory.finish(MAX_TOKENS)
+            return
+        params = SamplingParams(n=1, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                                max_tokens=s.max_new_tokens(), stop_token_ids=stop_ids,
+                                seed=seed_of(key, turn_index[key]))
+        turn_index[key] += 1
+        counts.total[key] += len(ids)
+        llm.add_request(ids, params, request_id=key)
+
+    with counts:
+        try:
+            for key, s in sessions.items():
+                if not s.finished:
+                    queue(key)
+            while llm.has_unfinished() or turns.pending:
+                for out in llm.step():
+                    c = out.outputs[0]
+                    turns.submit(out.request_id, sessions[out.request_id], c.token_ids, c.logprobs)
+                # block only when the engine has nothing to decode: then a step (or its timeout) is all there is
+                for key, ids in turns.collect(timeout=0 if llm.has_unfinished() else None):
+                    if ids is not None:
+                        queue(key)
+        except BaseException:
+            for key in sessions:
+                try:
+                    llm.abort(key)
+                except KeyError:
+                    pass
+            raise
+    return counts
+
+
+def _batchable(t: Trajectory, fallback_prompt: list[int], pad_id: int) -> Trajectory:
+    """A trajectory that failed at reset has no prompt: it keeps its row as the row's own prompt
+    ids and one masked pad token (reward 0, nothing trained on), so that rows stay i*n + j."""
+    if t.prompt_ids:
+        return t
+    return dataclasses.replace(t, prompt_ids=list(fallback_prompt) or [pad_id], segments=[Segment([pad_id], None)])
+
+
+def sample_agent(llm: LLM, rows: Batch, env: EnvSpec, rollout: RolloutConfig, limits: AgentLimits, tokenizer,
+                 pad_id: int, mesh, row_offset: int = 0) -> Batch:
+    """`rollout.n` trajectories per row on `llm` (awake, weights loaded, idle). `row_offset` is
+    this shard's first row in the whole batch (the seeds are by global row). Returns the batch
+    described in the module docstring; every rank of `mesh` must call it (widths agree)."""
+    make_env = environment_factory(env)
+    dicts = row_dicts(rows, tokenizer)
+    sessions, renderer = {}, None
+    for i, row in enumerate(dicts):
+        for j in range(rollout.n):
+            e = make_env()
+            renderer = renderer or pick_renderer(tokenizer, e)
+            sessions[(row_offset + i, j)] = AgentSession(e, renderer, row, limits)
+    stop_ids = sorted({*llm.eos_token_ids, *([renderer.end_of_turn_id] if renderer else [])})
+    counts = run_sessions(llm, sessions, rollout, stop_ids, lambda key, turn: turn_seed(rollout.seed, *key, turn))
+
+    keys = list(sessions)
+    fallback = [list(map(int, r.get("prompt_ids") or [])) for r in dicts]
+    trajs = [_batchable(sessions[k].trajectory, fallback[k[0] - row_offset], pad_id) for k in keys]
+    # every rank pads to the same widths, so that the dp shards concatenate (no mesh: this batch alone)
+    P = max(len(t.prompt_ids) for t in trajs)
+    R = max(len(t.response_ids()) for t in trajs)
+    if mesh is not None:
+        P, R = group_max(P, mesh), group_max(R, mesh)
+    tensors = trajectory_tensors(trajs, pad_id, response_len=R, prompt_len=P)
+    columns = {
+        **tensors,
+        "finish_reason": [t.finish_reason for t in trajs],
+        "agent_error": [t.error for t in trajs],
+        "model_text": [t.model_text() for t in trajs],
+        "trajectory_reward": torch.tensor([t.reward() for t in trajs], dtype=torch.float32),
+        "turns": torch.tensor([t.num_turns for t in trajs], dtype=torch.long),
+        "failed": torch.tensor([t.failed for t in trajs], dtype=torch.bool),
+        "tool_calls": torch.tensor([t.counts.get("tool_calls", 0) for t in trajs], dtype=torch.long),
+        "bad_tool_calls": torch.tensor([t.counts.get("bad_tool_calls", 0) for t in trajs], dtype=torch.long),
+        "prompt_tokens": torch.tensor([counts.total[k] for k in keys], dtype=torch.long),
+    }
+    if counts.measured:
+        columns["prefill_tokens"] = torch.tensor([counts.computed[k] for k in keys], dtype=torch.long)
+    out = Batch(columns, meta={**rows.meta, "n": rollout.n, "temperature": rollout.temperature})
+    carried = rows.drop(*[k for k in (*_PROMPT_COLUMNS, *columns) if k in rows])
+    if len(carried.keys()):
+        out = carried.repeat(rollout.n, interleave=True) | out
+    return out
+
+
+def agent_rollout_metrics(batch: Batch, prefix: str = "agent/") -> dict[str, float]:
+    """A rollout's figures from its columns (so on the controller, over every rank's rows):
+    turns, model vs observation tokens, tool calls, failures, how trajectories ended, and the
+    share of turn prompts the prefix cache supplied."""
+    n = len(batch)
+    real = batch["attention_mask"][:, -batch["response_mask"].shape[1]:].float()
+    model = batch["response_mask"].float().sum(1)
+    metrics = {
+        f"{prefix}turns": batch["turns"].float().mean().item(),
+        f"{prefix}model_tokens": model.mean().item(),
+        f"{prefix}observation_tokens": (real.sum(1) - model).mean().item(),
+        f"{prefix}tool_calls": batch["tool_calls"].float().mean().item(),
+        f"{prefix}bad_tool_calls": batch["bad_tool_calls"].float().mean().item(),
+        f"{prefix}failed": batch["failed"].float().mean().item(),
+        f"{prefix}trajectory_reward": batch["trajectory_reward"].mean().item(),
+    }
+    total = int(batch["prompt_tokens"].sum())
+    if total and "prefill_tokens" in batch:
+        metrics[f"{prefix}prefill_reused_fraction"] = 1.0 - int(batch["prefill_tokens"].sum()) / total
+    for reason, k in sorted(Counter(r or "unfinished" for r in batch["finish_reason"]).items()):
+        metrics[f"{prefix}finish/{reason}"] = k / n
+    return metrics
