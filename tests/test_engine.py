@@ -457,7 +457,9 @@ def test_a_request_added_between_steps_joins_the_batch_and_reuses_cached_blocks(
     # tokens 0-47: the prompt's 2 blocks and the block the response filled; the KV of token 63,
     # the last sampled, was never computed, so the block of tokens 48-63 is not cached
     assert seq.num_cached_tokens == 48
-    assert list(_run_to_the_end(llm)) == [d]
+    finished = _run_to_the_end(llm)
+    assert list(finished) == [d] and finished[d].num_cached_tokens == 48   # what the caller sees
+    assert outs[c].num_cached_tokens == 32 and outs[b].num_cached_tokens == 0
 
 
 def test_abort_frees_a_requests_blocks_and_the_others_finish_unchanged(saved):

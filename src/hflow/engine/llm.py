@@ -293,6 +293,10 @@ class LLM:
             return []
         try:
             seqs, is_prefill = self.scheduler.schedule()
+            if is_prefill:
+                for seq in seqs:
+                    if seq.prompt_cached_tokens is None:
+                        seq.prompt_cached_tokens = seq.num_cached_tokens
             seqs, tokens, logprobs = self.runner.step(seqs, is_prefill)
             done = self.scheduler.postprocess(seqs, tokens, logprobs)
         except BaseException:
@@ -328,7 +332,8 @@ class LLM:
         first = seqs[0]
         return RequestOutput(first.request_id, first.token_ids[:first.num_prompt_tokens],
                              [CompletionOutput(s.sample_index, s.completion_token_ids, s.logprobs, s.finish_reason,
-                                               text(s.completion_token_ids)) for s in seqs])
+                                               text(s.completion_token_ids)) for s in seqs],
+                             num_cached_tokens=min(first.prompt_cached_tokens or 0, first.num_prompt_tokens - 1))
 
     # ---- a batch at once ----
 

@@ -74,6 +74,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     prompt: str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at the first prefill (vLLM's name): a multi-turn
+    caller's earlier turns, or a shared system prompt. The last prompt token is always computed."""
 
 
 class Status(Enum):
@@ -97,6 +100,7 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0        # tokens whose KV was already in the cache when allocated
+    prompt_cached_tokens: int | None = None   # num_cached_tokens of the first prefill (a preemption reallocates)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
 

@@ -90,45 +90,20 @@ def row_dicts(rows: Batch, tokenizer) -> list[dict]:
 
 
 class PrefillCounter:
-    """Prompt tokens the engine computed vs. those its requests carried, per request id.
+    """Prompt tokens the engine computed vs. those its requests carried, per session: a turn's
+    prompt is the whole stream, and the prefix cache (RequestOutput.num_cached_tokens) spares
+    the earlier turns' KV."""
 
-    The engine does not report its prefix-cache hits, so this wraps its scheduler's `schedule`
-    for the duration (on this instance only) and reads each prefill's `num_cached_tokens`: the
-    tokens a prefill step feeds the model are exactly len(seq) - min(cached, len(seq) - 1).
-    An engine without those leaves the counts empty (no metric) rather than failing a rollout."""
-
-    def __init__(self, llm: LLM):
-        self.scheduler = getattr(llm, "scheduler", None)
+    def __init__(self):
         self.computed: Counter = Counter()
         self.total: Counter = Counter()
-        self.measured = False
-
-    def __enter__(self):
-        original = getattr(self.scheduler, "schedule", None)
-        if original is None:
-            return self
-
-        def schedule(*args, **kwargs):
-            result = original(*args, **kwargs)
-            seqs, is_prefill = result[0], result[1]
-            if is_prefill:
-                for s in seqs:
-                    self.computed[s.request_id] += len(s) - min(s.num_cached_tokens, len(s) - 1)
-            return result
-        self.scheduler.schedule = schedule
-        self.measured = True
-        return self
-
-    def __exit__(self, *exc):
-        if self.measured:
-            del self.scheduler.schedule   # the class's method again
 
 
 def run_sessions(llm: LLM, sessions: dict, rollout: RolloutConfig, stop_ids: list[int], seed_of) -> PrefillCounter:
     """Drive every session to its end on `llm` (which must be idle); `seed_of(key, turn)` seeds
     each turn. Returns the prefill counts per session key."""
     turns, turn_index = TurnRunner(), Counter()
-    counts = PrefillCounter(llm)
+    counts = PrefillCounter()
 
     def queue(key) -> None:
         s = sessions[key]
@@ -143,26 +118,26 @@ def run_sessions(llm: LLM, sessions: dict, rollout: RolloutConfig, stop_ids: lis
         counts.total[key] += len(ids)
         llm.add_request(ids, params, request_id=key)
 
-    with counts:
-        try:
-            for key, s in sessions.items():
-                if not s.finished:
+    try:
+        for key, s in sessions.items():
+            if not s.finished:
+                queue(key)
+        while llm.has_unfinished() or turns.pending:
+            for out in llm.step():
+                c = out.outputs[0]
+                counts.computed[out.request_id] += len(out.prompt_token_ids) - out.num_cached_tokens
+                turns.submit(out.request_id, sessions[out.request_id], c.token_ids, c.logprobs)
+            # block only when the engine has nothing to decode: then a step (or its timeout) is all there is
+            for key, ids in turns.collect(timeout=0 if llm.has_unfinished() else None):
+                if ids is not None:
                     queue(key)
-            while llm.has_unfinished() or turns.pending:
-                for out in llm.step():
-                    c = out.outputs[0]
-                    turns.submit(out.request_id, sessions[out.request_id], c.token_ids, c.logprobs)
-                # block only when the engine has nothing to decode: then a step (or its timeout) is all there is
-                for key, ids in turns.collect(timeout=0 if llm.has_unfinished() else None):
-                    if ids is not None:
-                        queue(key)
-        except BaseException:
-            for key in sessions:
-                try:
-                    llm.abort(key)
-                except KeyError:
-                    pass
-            raise
+    except BaseException:
+        for key in sessions:
+            try:
+                llm.abort(key)
+            except KeyError:
+                pass
+        raise
     return counts
 
 
@@ -211,8 +186,7 @@ def sample_agent(llm: LLM, rows: Batch, env: EnvSpec, rollout: RolloutConfig, li
         "bad_tool_calls": torch.tensor([t.counts.get("bad_tool_calls", 0) for t in trajs], dtype=torch.long),
         "prompt_tokens": torch.tensor([counts.total[k] for k in keys], dtype=torch.long),
     }
-    if counts.measured:
-        columns["prefill_tokens"] = torch.tensor([counts.computed[k] for k in keys], dtype=torch.long)
+    columns["prefill_tokens"] = torch.tensor([counts.computed[k] for k in keys], dtype=torch.long)
     out = Batch(columns, meta={**rows.meta, "n": rollout.n, "temperature": rollout.temperature})
     carried = rows.drop(*[k for k in (*_PROMPT_COLUMNS, *columns) if k in rows])
     if len(carried.keys()):
