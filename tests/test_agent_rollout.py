@@ -301,3 +301,20 @@ def test_actor_agent_rollout_same_on_1_and_2_ranks(eot_model, tmp_path):
     assert max(len(t) for t in one["trajectories"]) > 40 and one["metrics"]["agent/turns"] > 1
     for r in results:
         assert r["max_diff"] < 1e-4, r
+
+
+def test_response_texts_and_stop_fraction_count_the_models_tokens_only():
+    """A multi-turn row's observations sit between its model turns: the text a reward reads is
+    the model's tokens (it used to be the first response_mask.sum() tokens of the stream)."""
+    from hflow.recipe import step_metrics
+    from hflow.texts import response_texts
+
+    class Ids:   # a tokenizer whose "text" is the ids it was given
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return [" ".join(map(str, row)) for row in ids]
+    batch = Batch({"responses": torch.tensor([[5, 6, 7, 8, 9, 0], [3, 4, 0, 0, 0, 0]]),
+                   "response_mask": torch.tensor([[1., 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0]]),
+                   "finish_reason": ["done", "max_turns"]})
+    assert response_texts(batch, Ids()) == ["5 6 9", "3 4"]
+    metrics = step_metrics(batch, {"time/step_s": 1.0})
+    assert metrics["response/stop_fraction"] == 0.5 and metrics["response_length/mean"] == 2.5

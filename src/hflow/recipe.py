@@ -234,7 +234,8 @@ def step_metrics(batch: Batch, times: dict[str, float]) -> dict[str, float]:
     if not len(batch):
         return dict(times)
     lengths = batch["response_mask"].sum(1)
-    stopped = [reason == "stop" for reason in batch["finish_reason"]]
+    # a single-turn response that ended on a stop token, or a trajectory its environment ended
+    stopped = [reason in ("stop", "done") for reason in batch["finish_reason"]]
     return {"response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
             "response/stop_fraction": sum(stopped) / max(len(stopped), 1), **times,
             "throughput/tokens_per_s": lengths.sum().item() / times["time/step_s"]}

@@ -19,9 +19,9 @@ def prompt_batch(prompts: list[Prompt]) -> Batch:
 
 
 def response_texts(batch: Batch, tokenizer) -> list[str]:
-    """The sampled responses as text, special tokens (EOS) dropped."""
-    lengths = batch["response_mask"].sum(1).long().tolist()
-    ids = [row[:n].tolist() for row, n in zip(batch["responses"], lengths)]
+    """The sampled responses as text, special tokens (EOS) dropped: the model's own tokens only
+    (response_mask 1), so a multi-turn trajectory's observations are not part of it."""
+    ids = [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])]
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
