@@ -106,6 +106,12 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "max_length": _at_least(1, "tokens of a sequence"),
     "stop_at": _within(0, 1, "held-out accuracy that ends training"),
     "sigma": _positive("a standard deviation"),
+    # multi-turn agents (recipes/agent.py --agent.*)
+    "max_turns": _at_least(1, "model turns per trajectory"),
+    "max_turn_tokens": _at_least(1, "tokens of one model turn"),
+    "max_observation_tokens": _at_least(1, "tokens of one observation"),
+    "tool_timeout_s": _positive("seconds per tool call"),
+    "step_timeout_s": _positive("seconds per environment step"),
 }
 
 # fields that name files or directories that must exist ("" and "default" mean the built-in one)

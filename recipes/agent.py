@@ -1,0 +1,254 @@
+"""GRPO over multi-turn trajectories with tools: the model calls tools, reads their results, answers.
+
+    torchrun --nproc-per-node 2 recipes/agent.py                    # the embedded default, calculator tool
+    torchrun --nproc-per-node 2 recipes/agent.py --agent.env my_envs.py:Search --agent.reward env
+    torchrun --nproc-per-node 8 recipes/agent.py --model.path ~/models/Qwen3-0.6B \
+        --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet --data.chat \
+        --agent.env calculator_hermes --reward.fn gsm8k --rollout.max-tokens 1024 --agent.max-turns 6
+    torchrun ... recipes/agent.py --help                            # every flag, grouped
+
+Each step: run `rollout.n` trajectories for each of `data.batch-size` prompts on the actor's
+engine (hflow.agents: every trajectory in flight at once, tools on threads while the engine
+decodes the others). A trajectory is one token stream: the prompt, the model's turns as sampled,
+and between them each tool result (observation), which the model reads but is never trained on
+(response_mask 0). `--rollout.max-tokens` is the whole trajectory's budget after the prompt,
+model and observation tokens together; `--agent.*` bounds turns, observations and tool time.
+
+The score of a trajectory (`--agent.reward`): env, the environment's own reward (its turns'
+rewards summed; 0 for a failed trajectory); fn, `--reward.fn` (and/or `--reward.model`) on the
+model's text alone, observations left out; sum, both. The built-in environments (calculator:
+`<calc>27*82</calc>` -> `<result>2214</result>`; calculator_hermes: Qwen's `<tool_call>` JSON)
+give no reward themselves, so their answers are scored by `--reward.fn`.
+
+The advantages are grpo.py's (`--algo.estimator grpo|drgrpo|rloo|reinforce_pp|reinforce_pp_baseline`,
+their formulas in recipes/grpo.py) over the n trajectories of a prompt, the loss its
+`--algo.loss ppo|gspo` on the model's tokens only, with an optional KL to the reference.
+Held-out evaluation runs the trajectories too, greedily: eval/reward_mean is the mean score as
+`--agent.reward` defines it, eval/agent/* the trajectories' figures.
+
+Supports: any environment `module:Class` / `path/file.py:Class` (reset(row), step(text)),
+chat-template models (tool results as the template's own delta) and plain-text ones, the
+estimators and losses above, several PPO epochs and mini-batches, checkpoints and resume,
+colocated or split placement. Not (yet): DAPO's dynamic sampling and overlong shaping, per-turn
+(process) rewards, a tensor-parallel engine (`--rollout.tp-size 1` only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+import hflow
+from hflow import algos
+from hflow.agents import AgentLimits
+from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
+                          TrainerConfig, by_model)
+from hflow.data import iter_batches
+from hflow.default import EMBEDDED
+from hflow.metrics import Timer
+from hflow.recipe import gather, kl_to_reference, set_up, step_metrics
+from hflow.scoring import Rewards, reward_roles, score
+from hflow.texts import prompt_batch
+from hflow.validation import ConfigError
+from hflow.workers import Actor, Reference
+from hflow.workers.agent_rollout import BUILTIN_ENVIRONMENTS, agent_rollout_metrics, environment_factory
+
+Estimator = Literal[tuple(algos.ESTIMATORS)]   # grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline
+PolicyLoss = Literal[tuple(algos.POLICY_LOSSES)]   # ppo, gspo
+AggMode = Literal[algos.AGG_MODES]
+KLKind = Literal[algos.KL_KINDS]
+# (clip_low, clip_high, loss_agg) of each loss when the flags leave them unset
+LOSS_DEFAULTS = {"ppo": (0.2, 0.2, "token-mean"), "gspo": (3e-4, 4e-4, "seq-mean-token-mean")}
+KL_IN_LOSS = ("grpo", "drgrpo")   # the others put it in the reward, as their papers have it
+
+
+@dataclass
+class AgentConfig:
+    env: str = "calculator"
+    """The environment: a built-in (calculator, calculator_hermes), 'package.module:Class' or 'path/to/file.py:Class' (a class with reset(row) and step(text), e.g. a subclass of hflow.agents.Environment)."""
+    reward: Literal["env", "fn", "sum"] = "sum"
+    """A trajectory's score: env (the environment's reward), fn (--reward.fn / --reward.model on the model's text, observations left out), or sum (both; the built-in environments give 0 themselves)."""
+    max_turns: int = AgentLimits.max_turns
+    """Model turns per trajectory; one still going after this many ends as max_turns."""
+    max_turn_tokens: Optional[int] = AgentLimits.max_turn_tokens
+    """A cap on one model turn (None: only the trajectory's budget, --rollout.max-tokens)."""
+    max_observation_tokens: int = AgentLimits.max_observation_tokens
+    """The most tokens of one observation's content; longer content is cut and marked."""
+    tool_timeout_s: float = AgentLimits.tool_timeout_s
+    """One tool call; a call still running after this is killed and ends its trajectory as tool_timeout."""
+    step_timeout_s: float = AgentLimits.step_timeout_s
+    """One environment step, its tool calls included; past it the trajectory ends as env_timeout."""
+
+
+@dataclass
+class AlgoConfig:
+    estimator: Estimator = "grpo"
+    """Advantage estimator over a prompt's n trajectories (formulas: the docstring of recipes/grpo.py)."""
+    loss: PolicyLoss = "ppo"
+    """Policy loss: ppo (token-level ratio) or gspo (sequence-level ratio)."""
+    clip_low: float | None = None
+    """Clip below: ratio >= 1 - clip_low (None: 0.2 for ppo, 3e-4 for gspo)."""
+    clip_high: float | None = None
+    """Clip above: ratio <= 1 + clip_high (None: 0.2 for ppo, 4e-4 for gspo)."""
+    loss_agg: AggMode | None = None
+    """How token losses add up over a mini-batch (None: token-mean for ppo, seq-mean-token-mean for gspo)."""
+    kl_coef: float = 0.0
+    """beta: weight of the KL to the reference policy (0: no reference model at all)."""
+    kl_in_reward: bool | None = None
+    """Put the KL in the reward (k1 per token) instead of the loss (None: in the loss for grpo, drgrpo; in the reward for the others)."""
+    kl_kind: KLKind = "low_var_kl"
+    """KL estimator of the KL loss: k1, k2, k3, abs, low_var_kl (k3, clamped)."""
+    gamma: float = 1.0
+    """Discount of reinforce_pp's return-to-go (over the model's tokens; observations are skipped)."""
+    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
+    """Old log-probs of an off-policy update: a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's in fp32, recomputed in bf16."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(
+        optim=OptimConfig(lr=by_model(1e-4, 1e-6)), max_tokens_per_micro_batch=8192))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8, max_tokens=by_model(8, 1024)))
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
+        steps=150, eval_every=50, output_dir="outputs/agent"))
+
+
+def check_agent(cfg: Config) -> AgentLimits:
+    """The environment found and the limits checked before anything loads (a ConfigError: one
+    line, exit status 2); the limits the rollout runs under."""
+    spec = cfg.agent.env
+    if ":" not in spec and spec not in BUILTIN_ENVIRONMENTS:   # most likely a misspelt built-in
+        raise ConfigError(f"--agent.env {spec}: not a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}), "
+                          f"nor 'package.module:Class' or 'path/to/file.py:Class'")
+    try:
+        environment_factory(spec)
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ConfigError(f"--agent.env {spec}: {str(e).removeprefix(f'environment {spec!r}: ')}") from None
+    if cfg.agent.reward == "env" and cfg.reward.model:
+        raise ConfigError(f"--reward.model {cfg.reward.model} with --agent.reward env: the reward model would "
+                          "score nothing; use --agent.reward fn or sum")
+    if cfg.rollout.tp_size != 1:
+        raise ConfigError(f"--rollout.tp-size {cfg.rollout.tp_size}: multi-turn rollouts need 1 (a tensor-parallel "
+                          "engine cannot yet wait for its ranks' tool calls)")
+    a = cfg.agent
+    return AgentLimits(max_turns=a.max_turns, max_response_tokens=cfg.rollout.max_tokens,
+                       max_turn_tokens=a.max_turn_tokens, max_observation_tokens=a.max_observation_tokens,
+                       tool_timeout_s=a.tool_timeout_s, step_timeout_s=a.step_timeout_s)
+
+
+def resolve_algo(algo: AlgoConfig) -> AlgoConfig:
+    """The flags left unset filled in from the estimator and the loss."""
+    clip_low, clip_high, loss_agg = LOSS_DEFAULTS[algo.loss]
+    return dataclasses.replace(
+        algo, clip_low=clip_low if algo.clip_low is None else algo.clip_low,
+        clip_high=clip_high if algo.clip_high is None else algo.clip_high, loss_agg=algo.loss_agg or loss_agg,
+        kl_in_reward=algo.estimator not in KL_IN_LOSS if algo.kl_in_reward is None else algo.kl_in_reward)
+
+
+def trajectory_scores(batch, rewards: Rewards, source: str) -> tuple[torch.Tensor, dict]:
+    """One training score per trajectory as --agent.reward says, and the reward/* metrics."""
+    env = batch["trajectory_reward"]
+    if source == "env":
+        return env, {"reward/mean": env.mean().item()}
+    text, metrics = rewards(batch)   # response_texts: the model's tokens only, never a tool's output
+    if source == "fn":
+        return text, metrics
+    metrics["reward/text_mean"] = metrics.pop("reward/mean")
+    return env + text, metrics | {"reward/mean": (env + text).mean().item()}
+
+
+def agent_loss(log_probs, mb, entropy=None, *, algo: AlgoConfig):
+    """The clipped policy loss on the advantages, plus the KL loss to the reference, over the
+    model's tokens (response_mask), aggregated as --algo.loss-agg."""
+    mask = mb["response_mask"]   # observations are 0: the model is not trained to predict a tool's output
+    loss, metrics = algos.policy_loss_fn(algo.loss)(log_probs, mb["old_log_probs"], mb["advantages"], mask,
+                                                    clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg)
+    if algo.kl_coef > 0 and not algo.kl_in_reward:
+        kl = algos.aggregate_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], algo.kl_kind), mask, algo.loss_agg)
+        loss = loss + algo.kl_coef * kl
+        metrics["kl_loss"] = kl.item()
+    return loss, metrics
+
+
+def evaluate_with_tools(actor, dataset, tokenizer, rule, cfg: Config, limits: AgentLimits,
+                        batch_size: int = 512) -> dict[str, float]:
+    """Greedy trajectories (temperature 0, one per prompt) on the first --trainer.eval-size
+    held-out prompts: eval/reward_mean (the score as --agent.reward defines it, the text scored by
+    the rule alone) and the trajectories' figures as eval/agent/*."""
+    size = cfg.trainer.eval_size
+    if dataset is None or size <= 0:
+        return {}
+    greedy = dataclasses.replace(cfg.rollout, n=1, temperature=0.0, progress=False)
+    totals, seen = {}, 0
+    for rows in iter_batches(dataset, batch_size):
+        rows = rows[:size - seen]
+        batch = actor.generate_agent(prompt_batch(rows), cfg.agent.env, greedy, limits)
+        scores = torch.zeros(len(batch))
+        if cfg.agent.reward != "fn":
+            scores += batch["trajectory_reward"]
+        if cfg.agent.reward != "env":
+            scores += score(batch, tokenizer, rule)[0]
+        figures = {"eval/reward_mean": scores.mean().item(), **agent_rollout_metrics(batch, prefix="eval/agent/")}
+        for key, value in figures.items():   # weighted by rows: the last batch may be short
+            totals[key] = totals.get(key, 0.0) + value * len(batch)
+        seen += len(batch)
+        if seen >= size:
+            break
+    return {key: total / seen for key, total in totals.items()}
+
+
+def main(cluster: hflow.Cluster, cfg: Config):
+    limits = check_agent(cfg)   # a bad --agent.env is refused before any model loads
+    algo = resolve_algo(cfg.algo)
+    # split: the models that only read (reference, reward model) on ranks of their own
+    sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward)]
+    setup = set_up(cluster, cfg, sets, algo="grpo", default=EMBEDDED)   # every input checked, then the warm-up
+    placement = setup.placement
+    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
+    actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
+    ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
+    # held-out evaluation runs the tools too: a single-turn answer would not show what was learned
+    evaluate = functools.partial(evaluate_with_tools, actor, setup.val, setup.tokenizer, rewards.rule, cfg, limits)
+    run = setup.run(actor, rewards.rule, trained={"actor": actor}, evaluate_fn=evaluate)
+    old = setup.old_log_probs(kl_in_reward=ref is not None and algo.kl_in_reward)
+    loss_fn = functools.partial(agent_loss, algo=algo)
+    estimator = algos.estimator(algo.estimator)
+
+    timer, temperature = Timer(), cfg.rollout.temperature
+    for step in run.steps():
+        with timer("step"):
+            with timer("generate"):
+                # a seed per step: a resumed run draws the trajectories the uninterrupted one drew
+                rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
+                batch = actor.generate_agent(prompt_batch(next(setup.sampler)), cfg.agent.env, rollout, limits)
+            scores, metrics = trajectory_scores(batch, rewards, cfg.agent.reward)
+            mask = batch["response_mask"]
+            with timer("log_probs"):
+                refs = [ref.log_probs.future(batch, temperature)] if ref else []
+                batch = gather(batch, refs + old.pending(actor, batch, temperature))
+            # the outcome lands on the model's last token: observations between turns earn nothing
+            token_rewards = algos.scores_to_token_rewards(scores, mask)
+            if ref:   # KL of the sampling policy to the reference, on the model's tokens
+                kl, metrics["kl/mean"] = kl_to_reference(batch)
+                if algo.kl_in_reward:
+                    token_rewards = token_rewards - algo.kl_coef * kl
+            # a prompt's n trajectories are each other's baseline: no critic
+            groups = torch.arange(len(batch)) // cfg.rollout.n
+            batch["advantages"] = estimator(token_rewards, mask, groups, gamma=algo.gamma)
+            with timer("update"):
+                metrics |= actor.update(batch, loss_fn, loss_agg=algo.loss_agg)[0]
+        run.end_step(step, metrics | step_metrics(batch, timer.pop()) | agent_rollout_metrics(batch))
+    run.finish()
+    rewards.close()
+
+
+if __name__ == "__main__":
+    hflow.launch(main, Config)   # rank 0 parses and checks the flags

@@ -1,0 +1,137 @@
+"""recipes/agent.py end to end on CPU ranks: GRPO over multi-turn trajectories, held-out
+evaluation with the tools, checkpoints and resume, and a bad --agent.env refused at once."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist import PROGRAMS, torchrun
+from hflow.default.model import build_default
+
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "agent.py")
+ENVS = os.path.join(PROGRAMS, "agent_envs.py")
+EOS = 2
+TIMING = ("time/", "throughput/")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_default(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def eot_model(tmp_path_factory, tiny_model):
+    """The tiny model with its LM head's EOS row along the mean final hidden state, so that it
+    ends most turns within a few tokens (a random model never ends one: one turn per trajectory)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        h = model.model(torch.randint(3, 500, (16, 40), generator=g)).last_hidden_state.reshape(-1, model.config.hidden_size)
+        mean = h.mean(0)
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.lm_head.weight[EOS] = 12 * mean / mean.norm() ** 2
+    out = tmp_path_factory.mktemp("eot") / "model"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (Path(tiny_model) / name).exists():
+            shutil.copy(Path(tiny_model) / name, out / name)
+    return str(out)
+
+
+def small_run(model, out, steps, *extra):
+    return ["--model.path", model, "--trainer.output-dir", out, "--trainer.steps", steps,
+            "--data.batch-size", 4, "--rollout.n", 2, "--rollout.max-tokens", 4,
+            "--trainer.eval-size", 8, "--trainer.logging.no-progress-bars", "--trainer.no-export", *extra]
+
+
+def rows(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.dist
+def test_agent_recipe_with_the_calculator_logs_agent_metrics_and_evaluates_with_tools(tiny_model, tmp_path):
+    out = tmp_path / "calc"
+    torchrun(RECIPE, 2, small_run(tiny_model, out, 2, "--agent.env", "calculator"), timeout=400).check()
+    logged = rows(out)
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    for row in (logged[0], logged[-1]):   # before training and at the end, on the held-out prompts
+        assert "eval/reward_mean" in row and row["eval/agent/turns"] >= 1, row
+    for key in ("reward/mean", "reward/text_mean", "actor/loss", "response_length/mean", "agent/turns",
+                "agent/model_tokens", "agent/observation_tokens", "agent/tool_calls", "agent/failed",
+                "agent/trajectory_reward", "time/generate_s"):
+        assert key in logged[1], key
+    assert sum(v for k, v in logged[1].items() if k.startswith("agent/finish/")) == pytest.approx(1.0)
+
+
+@pytest.mark.dist
+def test_agent_recipe_multi_turn_run_resumes_as_the_uninterrupted_one(eot_model, tmp_path):
+    """Three turns per trajectory (two observations the model reads, not trained on), the
+    environment's reward; saved every step, resumed for one more: the resumed step equals the
+    uninterrupted run's (each step's trajectories are seeded by the step)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = ("--agent.env", f"{ENVS}:ThreeTurns", "--agent.reward", "env", "--rollout.max-tokens", 96)
+    torchrun(RECIPE, 2, small_run(eot_model, straight, 3, *common), timeout=400).check()
+    torchrun(RECIPE, 2, small_run(eot_model, resumed, 2, "--trainer.save-every", 1, *common), timeout=400).check()
+    assert (resumed / "checkpoints" / "step_2").is_dir()
+    again = torchrun(RECIPE, 2, small_run(eot_model, resumed, 3, "--trainer.resume", *common), timeout=400).check()
+    assert "resumed from step 2" in again.output, again.output
+    a, b = rows(straight), rows(resumed)
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    row = a[1]
+    assert row["agent/turns"] > 1 and row["agent/observation_tokens"] > 0, row
+    assert row["actor/grad_norm"] > 0, row   # the trajectories' rewards differ: something is learned
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}   # noqa: E731
+    assert strip(a[3]) == strip(b[3])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("args, expected", [
+    (["--agent.env", "calculater"], "--agent.env calculater: not a built-in environment (calculator, calculator_hermes)"),
+    (["--agent.env", "no_such_module_here:Env"],
+     "--agent.env no_such_module_here:Env: cannot import module 'no_such_module_here'"),
+    (["--agent.max-turns", "0"], "--agent.max-turns 0: must be >= 1 (model turns per trajectory)"),
+], ids=["misspelt built-in", "missing module", "no turns"])
+def test_bad_agent_flags_are_refused_with_one_line_before_anything_loads(args, expected, tiny_model, tmp_path):
+    out = tmp_path / "out"
+    run = torchrun(RECIPE, 2, small_run(tiny_model, out, 2, *args), timeout=200)
+    assert not run.timed_out, run.output
+    errors = [line for line in run.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], run.output
+    assert re.search(r"exitcode\s*:\s*2\b", run.output), run.output   # rank 0's status: a flag error
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_agent_recipe_help_lists_the_agent_and_algo_flags():
+    run = subprocess.run([sys.executable, RECIPE, "--help"], capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"COLUMNS": "100"})
+    assert run.returncode == 0, run.stderr
+    for flag in ("--agent.env", "--agent.reward", "--agent.max-turns", "--agent.tool-timeout-s",
+                 "--algo.estimator", "--algo.loss", "--rollout.max-tokens"):
+        assert flag in run.stdout, flag
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("algo", [
+    ("--algo.estimator", "grpo", "--algo.kl-coef", 0.01, "--actor.epochs", 2),   # KL in the loss, off-policy
+    ("--algo.estimator", "reinforce_pp", "--algo.loss", "gspo", "--algo.kl-coef", 0.01),   # KL in the reward
+], ids=["grpo kl loss 2 epochs", "reinforce_pp gspo kl reward"])
+def test_agent_recipe_with_a_reference_over_multi_turn_trajectories(algo, eot_model, tmp_path):
+    """The reference's log-probs and the KL over streams with observations in them; with two
+    epochs, the engine's log-probs of the model's tokens as the old ones (fp32)."""
+    out = tmp_path / "kl"
+    torchrun(RECIPE, 2, small_run(eot_model, out, 2, "--agent.env", f"{ENVS}:ThreeTurns", "--agent.reward", "env",
+                                  "--rollout.max-tokens", 96, *algo), timeout=400).check()
+    first, row = rows(out)[1:]
+    # step 1 samples with the reference's own weights: the engine's log-probs of the model's tokens are
+    # the reference's (observations in between); after an update they are not
+    assert abs(first["kl/mean"]) < 1e-4 and row["kl/mean"] != 0 and row["agent/observation_tokens"] > 0, row
+    assert ("actor/kl_loss" in row) == (algo[1] == "grpo"), row
+    assert 0 <= row["actor/clipfrac"] <= 1 and row["actor/grad_norm"] > 0, row
