@@ -3,20 +3,18 @@ evaluation with the tools, checkpoints and resume, and a bad --agent.env refused
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from dist import PROGRAMS, torchrun
+from test_agent_rollout import ending_turns_model
 from hflow.default.model import build_default
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "agent.py")
 ENVS = os.path.join(PROGRAMS, "agent_envs.py")
-EOS = 2
 TIMING = ("time/", "throughput/")
 
 
@@ -27,23 +25,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eot_model(tmp_path_factory, tiny_model):
-    """The tiny model with its LM head's EOS row along the mean final hidden state, so that it
-    ends most turns within a few tokens (a random model never ends one: one turn per trajectory)."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        h = model.model(torch.randint(3, 500, (16, 40), generator=g)).last_hidden_state.reshape(-1, model.config.hidden_size)
-        mean = h.mean(0)
-        model.config.tie_word_embeddings = False
-        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-        model.lm_head.weight[EOS] = 12 * mean / mean.norm() ** 2
-    out = tmp_path_factory.mktemp("eot") / "model"
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (Path(tiny_model) / name).exists():
-            shutil.copy(Path(tiny_model) / name, out / name)
-    return str(out)
+    """The tiny model ending most turns within a few tokens (one turn per trajectory otherwise)."""
+    return ending_turns_model(tiny_model, tmp_path_factory.mktemp("eot") / "model")
 
 
 def small_run(model, out, steps, *extra):

@@ -8,6 +8,7 @@ tokens. The environment answers every turn for a fixed number of turns, whatever
 what is tested is the engine and session plumbing, not the model's tool use.
 """
 import shutil
+from pathlib import Path
 import threading
 import time
 
@@ -55,11 +56,11 @@ class OneHangs(FixedTurns):
         return result
 
 
-@pytest.fixture(scope="module")
-def eot_model(tmp_path_factory):
+def ending_turns_model(base, out) -> str:
+    """The model at `base` with its LM head's EOS row along the mean final hidden state, saved to
+    `out`: it ends most turns within a few tokens (a random model never ends one)."""
     from transformers import AutoModelForCausalLM
-    root = tmp_path_factory.mktemp("agent_model")
-    base = build_default(root / "base", "tiny", seed=0)
+    base, out = Path(base), Path(out)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -68,12 +69,17 @@ def eot_model(tmp_path_factory):
         model.config.tie_word_embeddings = False
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
         model.lm_head.weight[EOS] = 12 * mean / mean.norm() ** 2
-    out = root / "eot"
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (base / name).exists():
             shutil.copy(base / name, out / name)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def eot_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agent_model")
+    return ending_turns_model(build_default(root / "base", "tiny", seed=0), root / "eot")
 
 
 @pytest.fixture(scope="module")
