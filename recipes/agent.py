@@ -1,6 +1,7 @@
 """GRPO over multi-turn trajectories with tools: the model calls tools, reads their results, answers.
 
-    torchrun --nproc-per-node 2 recipes/agent.py                    # the embedded default, calculator tool
+    torchrun --nproc-per-node 2 recipes/agent.py                    # the embedded default, 3-digit products, calculator
+    torchrun --nproc-per-node 2 recipes/agent.py --agent.env no_tools   # the same policy with the tool switched off
     torchrun --nproc-per-node 2 recipes/agent.py --agent.env my_envs.py:Search --agent.reward env
     torchrun --nproc-per-node 8 recipes/agent.py --model.path ~/models/Qwen3-0.6B \
         --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet --data.chat \
@@ -15,10 +16,16 @@ and between them each tool result (observation), which the model reads but is ne
 model and observation tokens together; `--agent.*` bounds turns, observations and tool time.
 
 The score of a trajectory (`--agent.reward`): env, the environment's own reward (its turns'
-rewards summed; 0 for a failed trajectory); fn, `--reward.fn` (and/or `--reward.model`) on the
-model's text alone, observations left out; sum, both. The built-in environments (calculator:
-`<calc>27*82</calc>` -> `<result>2214</result>`; calculator_hermes: Qwen's `<tool_call>` JSON)
-give no reward themselves, so their answers are scored by `--reward.fn`.
+rewards summed; 0 for a failed trajectory); fn, `--reward.fn` (and/or `--reward.model`) on all
+the model's text, observations left out; sum, both. The built-in environments (calculator:
+`<calc>27*82</calc>` -> `<result>2214</result>`; calculator_hermes: Qwen's `<tool_call>` JSON;
+no_tools: no tool at all) score the final answer, the turn without a call, by `--reward.fn`
+(arithmetic when unset).
+
+The embedded default's task (`--data.task multiply`, "127*46=" -> "5842") is one the model cannot
+do in its head; its starting policy is the warm-up taught to call the calculator on a random
+15 % of problems (hflow/default/tool_use.py), so RL has tool calls to sample and must learn
+that they are what gets products right.
 
 The advantages are grpo.py's (`--algo.estimator grpo|drgrpo|rloo|reinforce_pp|reinforce_pp_baseline`,
 their formulas in recipes/grpo.py) over the n trajectories of a prompt, the loss its
@@ -47,7 +54,7 @@ from hflow.agents import AgentLimits
 from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                           TrainerConfig, by_model)
 from hflow.data import iter_batches
-from hflow.default import EMBEDDED
+from hflow.default import EMBEDDED, tool_calling_policy
 from hflow.metrics import Timer
 from hflow.recipe import gather, kl_to_reference, set_up, step_metrics
 from hflow.scoring import Rewards, reward_roles, score
@@ -68,9 +75,9 @@ KL_IN_LOSS = ("grpo", "drgrpo")   # the others put it in the reward, as their pa
 @dataclass
 class AgentConfig:
     env: str = "calculator"
-    """The environment: a built-in (calculator, calculator_hermes), 'package.module:Class' or 'path/to/file.py:Class' (a class with reset(row) and step(text), e.g. a subclass of hflow.agents.Environment)."""
-    reward: Literal["env", "fn", "sum"] = "sum"
-    """A trajectory's score: env (the environment's reward), fn (--reward.fn / --reward.model on the model's text, observations left out), or sum (both; the built-in environments give 0 themselves)."""
+    """The environment: a built-in (calculator, calculator_hermes, no_tools), 'package.module:Class' or 'path/to/file.py:Class' (a class with reset(row) and step(text), e.g. a subclass of hflow.agents.Environment)."""
+    reward: Literal["env", "fn", "sum"] = "env"
+    """A trajectory's score: env (the environment's reward; the built-ins score the final answer by --reward.fn), fn (--reward.fn / --reward.model on all the model's text, observations left out), or sum (both)."""
     max_turns: int = AgentLimits.max_turns
     """Model turns per trajectory; one still going after this many ends as max_turns."""
     max_turn_tokens: Optional[int] = AgentLimits.max_turn_tokens
@@ -110,12 +117,12 @@ class AlgoConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(task="multiply"))
     reward: RewardConfig = field(default_factory=RewardConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(
         optim=OptimConfig(lr=by_model(1e-4, 1e-6)), max_tokens_per_micro_batch=8192))
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8, max_tokens=by_model(8, 1024)))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8, max_tokens=by_model(48, 1024)))
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
         steps=150, eval_every=50, output_dir="outputs/agent"))
@@ -142,6 +149,14 @@ def check_agent(cfg: Config) -> AgentLimits:
     return AgentLimits(max_turns=a.max_turns, max_response_tokens=cfg.rollout.max_tokens,
                        max_turn_tokens=a.max_turn_tokens, max_observation_tokens=a.max_observation_tokens,
                        tool_timeout_s=a.tool_timeout_s, step_timeout_s=a.step_timeout_s)
+
+
+def environment(cfg: Config):
+    """What the rollout builds its environments from: a built-in scores its final answer by
+    --reward.fn (arithmetic when unset); a user's environment is named as given."""
+    if cfg.agent.env in BUILTIN_ENVIRONMENTS:
+        return functools.partial(BUILTIN_ENVIRONMENTS[cfg.agent.env], reward_fn=cfg.reward.fn or "arithmetic")
+    return cfg.agent.env
 
 
 def resolve_algo(algo: AlgoConfig) -> AlgoConfig:
@@ -190,7 +205,7 @@ def evaluate_with_tools(actor, dataset, tokenizer, rule, cfg: Config, limits: Ag
     totals, seen = {}, 0
     for rows in iter_batches(dataset, batch_size):
         rows = rows[:size - seen]
-        batch = actor.generate_agent(prompt_batch(rows), cfg.agent.env, greedy, limits)
+        batch = actor.generate_agent(prompt_batch(rows), environment(cfg), greedy, limits)
         scores = torch.zeros(len(batch))
         if cfg.agent.reward != "fn":
             scores += batch["trajectory_reward"]
@@ -211,7 +226,11 @@ def main(cluster: hflow.Cluster, cfg: Config):
     # split: the models that only read (reference, reward model) on ranks of their own
     sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward)]
     setup = set_up(cluster, cfg, sets, algo="grpo", default=EMBEDDED)   # every input checked, then the warm-up
-    placement = setup.placement
+    if not cfg.model.path and not cfg.data.train_files and cfg.data.task == "multiply":
+        # the embedded default's starting policy calls its calculator now and then (see the docstring)
+        setup = dataclasses.replace(setup, model_dir=tool_calling_policy(cluster, setup.model_dir, setup.train,
+                                                                         setup.tokenizer))
+    placement, env = setup.placement, environment(cfg)
     rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
@@ -228,7 +247,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
             with timer("generate"):
                 # a seed per step: a resumed run draws the trajectories the uninterrupted one drew
                 rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
-                batch = actor.generate_agent(prompt_batch(next(setup.sampler)), cfg.agent.env, rollout, limits)
+                batch = actor.generate_agent(prompt_batch(next(setup.sampler)), env, rollout, limits)
             scores, metrics = trajectory_scores(batch, rewards, cfg.agent.reward)
             mask = batch["response_mask"]
             with timer("log_probs"):

@@ -42,7 +42,7 @@ def rows(out) -> list[dict]:
 @pytest.mark.dist
 def test_agent_recipe_with_the_calculator_logs_agent_metrics_and_evaluates_with_tools(tiny_model, tmp_path):
     out = tmp_path / "calc"
-    torchrun(RECIPE, 2, small_run(tiny_model, out, 2, "--agent.env", "calculator"), timeout=400).check()
+    torchrun(RECIPE, 2, small_run(tiny_model, out, 2, "--agent.env", "calculator", "--agent.reward", "sum"), timeout=400).check()
     logged = rows(out)
     assert [r["step"] for r in logged] == [0, 1, 2]
     for row in (logged[0], logged[-1]):   # before training and at the end, on the held-out prompts
@@ -77,7 +77,7 @@ def test_agent_recipe_multi_turn_run_resumes_as_the_uninterrupted_one(eot_model,
 
 @pytest.mark.dist
 @pytest.mark.parametrize("args, expected", [
-    (["--agent.env", "calculater"], "--agent.env calculater: not a built-in environment (calculator, calculator_hermes)"),
+    (["--agent.env", "calculater"], "--agent.env calculater: not a built-in environment (calculator, calculator_hermes, no_tools)"),
     (["--agent.env", "no_such_module_here:Env"],
      "--agent.env no_such_module_here:Env: cannot import module 'no_such_module_here'"),
     (["--agent.max-turns", "0"], "--agent.max-turns 0: must be >= 1 (model turns per trajectory)"),

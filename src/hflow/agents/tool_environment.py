@@ -57,7 +57,9 @@ class ToolEnvironment(Environment):
         if self.prompt_key not in row:
             raise KeyError(f"the row has no {self.prompt_key!r} column (columns: {sorted(row)})")
         self.ground_truth = row.get(self.answer_key)
-        self.extra = {k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key)}
+        # the score function's own arguments (hflow's prompt rows carry a ground_truth) are not extras
+        self.extra = {k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key, "ground_truth",
+                                                                 "response")}
         return row[self.prompt_key]
 
     def step(self, text: str) -> StepResult:

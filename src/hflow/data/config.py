@@ -32,7 +32,7 @@ class DataConfig:
     seed: int = 0
     """Seed of the per-epoch shuffle."""
     task: str = "arithmetic"
-    """Built-in generated task, used when --data.train-files is empty: arithmetic (2-digit a+b, a-b), or code (write f(x) that passes three asserts; score it with --reward.fn code)."""
+    """Built-in generated task, used when --data.train-files is empty: arithmetic (2-digit a+b, a-b), multiply (3-digit x 2-digit a*b, recipes/agent.py's: the default model needs its calculator), or code (write f(x) that passes three asserts; score it with --reward.fn code)."""
     task_seed: int = 0
     """Seed that generates the built-in task's problems and its train / held-out split."""
     task_eval_size: int = 500

@@ -30,7 +30,21 @@ class ArithmeticTask:
         return rows
 
 
-TASKS = {"arithmetic": ArithmeticTask(), "code": CodeTask()}
+@dataclass(frozen=True)
+class MultiplyTask:
+    """``"127*46="`` -> ``"5842"``: a ``digits[0]``-digit number times a ``digits[1]``-digit one,
+    which the embedded default cannot work out in its head but can with a calculator call
+    (recipes/agent.py's default task). 900 x 90 = 81,000 distinct problems with (3, 2) digits.
+    Scored by the ``arithmetic`` reward on the final answer."""
+    digits: tuple = (3, 2)
+    reward_fn: str = "arithmetic"
+
+    def problems(self) -> list[dict]:
+        (a_low, a_high), (b_low, b_high) = ((10 ** (d - 1), 10 ** d) for d in self.digits)
+        return [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a in range(a_low, a_high) for b in range(b_low, b_high)]
+
+
+TASKS = {"arithmetic": ArithmeticTask(), "multiply": MultiplyTask(), "code": CodeTask()}
 
 
 def task_splits(name: str, seed: int = 0, eval_size: int = 500) -> tuple[list[dict], list[dict]]:

@@ -7,6 +7,7 @@ built once and cached (cache.py).
     warm_up.py    the policy supervised until it answers half the held-out problems
     judges.py     the reward model (right over wrong answers) and the safety task's cost model
     refusing.py   Safe-RLHF's starting policy, which refuses a random fifth of all problems
+    tool_use.py   the agent task's starting policy, which calls its calculator on some products
     cache.py      where they live, and how each is built exactly once
 
 The library never imports this package: a recipe hands `EMBEDDED` to `hflow.recipe.set_up`,
@@ -19,11 +20,12 @@ from pathlib import Path
 from hflow.default.judges import DEFAULT_JUDGES, default_pair_rows, default_reward_model, default_reward_model_dir
 from hflow.default.model import build_default, default_model_dir
 from hflow.default.refusing import refusing_policy
+from hflow.default.tool_use import tool_calling_policy
 from hflow.default.warm_up import default_policy, default_policy_dir
 
 __all__ = ["EMBEDDED", "EmbeddedDefault", "DEFAULT_JUDGES", "build_default", "default_model_dir", "default_policy",
            "default_policy_dir", "default_pair_rows", "default_reward_model", "default_reward_model_dir",
-           "refusing_policy"]
+           "refusing_policy", "tool_calling_policy"]
 
 
 class EmbeddedDefault:

@@ -33,10 +33,13 @@ from hflow.workers.rollout import RolloutConfig, group_max
 
 EnvSpec = Union[str, Callable[[], Environment]]
 
-# picklable factories by name: what `--agent.env calculator` style flags can say
-BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
+# picklable factories by name: what `--agent.env calculator` style flags can say. Each takes
+# reward_fn=, the rule that scores the final answer (a turn with no call); none: reward 0.
+BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
     "calculator": functools.partial(ToolEnvironment, ("calculator",), format="tags"),
     "calculator_hermes": functools.partial(ToolEnvironment, ("calculator",), format="hermes"),
+    # the same task with the tool switched off: a call goes unanswered, the turn is the final answer
+    "no_tools": functools.partial(ToolEnvironment, (), format="tags"),
 }
 
 # columns a prompts Batch carries that are the prompt itself, not a row's data
