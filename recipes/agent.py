@@ -23,9 +23,9 @@ no_tools: no tool at all) score the final answer, the turn without a call, by `-
 (arithmetic when unset).
 
 The embedded default's task (`--data.task multiply`, "127*46=" -> "5842") is one the model cannot
-do in its head; its starting policy is the warm-up taught to call the calculator on a random
-15 % of problems (hflow/default/tool_use.py), so RL has tool calls to sample and must learn
-that they are what gets products right.
+do in its head; its starting policy is the warm-up taught to call the calculator and then, mostly,
+to answer directly (hflow/default/tool_use.py): it calls the tool on a few sampled problems in a
+hundred and never greedily, so RL has calls to find and must learn that they get products right.
 
 The advantages are grpo.py's (`--algo.estimator grpo|drgrpo|rloo|reinforce_pp|reinforce_pp_baseline`,
 their formulas in recipes/grpo.py) over the n trajectories of a prompt, the loss its
@@ -125,7 +125,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8, max_tokens=by_model(48, 1024)))
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
-        steps=150, eval_every=50, output_dir="outputs/agent"))
+        steps=60, eval_every=20, output_dir="outputs/agent"))
 
 
 def check_agent(cfg: Config) -> AgentLimits:
