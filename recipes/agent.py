@@ -36,8 +36,9 @@ Held-out evaluation runs the trajectories too, greedily: eval/reward_mean is the
 Supports: any environment `module:Class` / `path/file.py:Class` (reset(row), step(text)),
 chat-template models (tool results as the template's own delta) and plain-text ones, the
 estimators and losses above, several PPO epochs and mini-batches, checkpoints and resume,
-colocated or split placement. Not (yet): DAPO's dynamic sampling and overlong shaping, per-turn
-(process) rewards, a tensor-parallel engine (`--rollout.tp-size 1` only).
+colocated or split placement; an environment's per-turn rewards, summed onto its trajectory. Not
+(yet): DAPO's dynamic sampling and overlong shaping, per-turn credit (each turn's reward on its own
+tokens), a tensor-parallel engine (`--rollout.tp-size 1` only).
 """
 from __future__ import annotations
 
