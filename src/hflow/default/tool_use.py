@@ -32,6 +32,7 @@ from hflow.workers import Actor, ActorConfig, OptimConfig
 
 # Bump when tool_calling_policy's settings change what it builds: its cache directory carries it.
 TOOL_POLICY_VERSION = 1
+CALC_TAG = as_tool(calculator).tag   # once: as_tool reads the function's signature and docstring
 
 
 def tool_trajectory(prompt, tokenizer, renderer: TextRenderer, use_tool: bool) -> Trajectory:
@@ -42,8 +43,7 @@ def tool_trajectory(prompt, tokenizer, renderer: TextRenderer, use_tool: bool) -
     t = Trajectory(list(prompt.prompt_ids))
     if use_tool:
         expression = prompt.prompt.removesuffix("=")
-        tag = as_tool(calculator).tag
-        call = renderer.encode(f"<{tag}>{expression}</{tag}>") + [eos]
+        call = renderer.encode(f"<{CALC_TAG}>{expression}</{CALC_TAG}>") + [eos]
         result = renderer.observation_ids([{"role": "tool", "content": calculator(expression)}])
         t.segments += [Segment(call, [0.0] * len(call)), Segment(result, None)]
     t.segments.append(Segment(answer, [0.0] * len(answer)))
