@@ -52,7 +52,7 @@ import torch
 import hflow
 from hflow import algos
 from hflow.agents import AgentLimits
-from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
+from hflow.config import (ActorConfig, OffPolicyConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                           TrainerConfig, by_model)
 from hflow.data import iter_batches
 from hflow.default import EMBEDDED, tool_calling_policy
@@ -92,7 +92,7 @@ class AgentConfig:
 
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(OffPolicyConfig):
     estimator: Estimator = "grpo"
     """Advantage estimator over a prompt's n trajectories (formulas: the docstring of recipes/grpo.py)."""
     loss: PolicyLoss = "ppo"
@@ -111,8 +111,6 @@ class AlgoConfig:
     """KL estimator of the KL loss: k1, k2, k3, abs, low_var_kl (k3, clamped)."""
     gamma: float = 1.0
     """Discount of reinforce_pp's return-to-go (over the model's tokens; observations are skipped)."""
-    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
-    """Old log-probs of an off-policy update: a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's in fp32, recomputed in bf16."""
 
 
 @dataclass
@@ -181,12 +179,15 @@ def trajectory_scores(batch, rewards: Rewards, source: str) -> tuple[torch.Tenso
     return env + text, metrics | {"reward/mean": (env + text).mean().item()}
 
 
-def agent_loss(log_probs, mb, entropy=None, *, algo: AlgoConfig):
+def agent_loss(log_probs, mb, entropy=None, *, algo: AlgoConfig, correction: algos.RolloutCorrection):
     """The clipped policy loss on the advantages, plus the KL loss to the reference, over the
     model's tokens (response_mask), aggregated as --algo.loss-agg."""
     mask = mb["response_mask"]   # observations are 0: the model is not trained to predict a tool's output
+    weights, corrected = correction(mb)   # the engine sampled: weighted towards the trainer's policy
     loss, metrics = algos.policy_loss_fn(algo.loss)(log_probs, mb["old_log_probs"], mb["advantages"], mask,
-                                                    clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg)
+                                                    clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg,
+                                                    is_weights=weights)
+    metrics |= corrected
     if algo.kl_coef > 0 and not algo.kl_in_reward:
         kl = algos.aggregate_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], algo.kl_kind), mask, algo.loss_agg)
         loss = loss + algo.kl_coef * kl
@@ -239,7 +240,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     evaluate = functools.partial(evaluate_with_tools, actor, setup.val, setup.tokenizer, rewards.rule, cfg, limits)
     run = setup.run(actor, rewards.rule, trained={"actor": actor}, evaluate_fn=evaluate)
     old = setup.old_log_probs(kl_in_reward=ref is not None and algo.kl_in_reward)
-    loss_fn = functools.partial(agent_loss, algo=algo)
+    loss_fn = functools.partial(agent_loss, algo=algo, correction=old.correction)
     estimator = algos.estimator(algo.estimator)
 
     timer, temperature = Timer(), cfg.rollout.temperature

@@ -56,7 +56,7 @@ import torch
 
 import hflow
 from hflow import algos
-from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
+from hflow.config import (ActorConfig, OffPolicyConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                           TrainerConfig, by_model)
 from hflow.default import EMBEDDED
 from hflow.layout import concat_rollouts
@@ -78,7 +78,7 @@ KL_IN_REWARD = {"grpo": False, "drgrpo": False, "rloo": True, "reinforce_pp": Tr
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(OffPolicyConfig):
     estimator: Estimator = "grpo"
     """Advantage estimator (their formulas: the docstring of recipes/grpo.py)."""
     loss: PolicyLoss = "ppo"
@@ -107,8 +107,6 @@ class GRPOConfig:
     """DAPO: penalise responses longer than --rollout.max-tokens minus this many tokens (0: off)."""
     overlong_penalty: float = 1.0
     """DAPO: the overlong penalty at --rollout.max-tokens (it rises linearly from 0 over the buffer)."""
-    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
-    """Old log-probs of an off-policy update (several epochs or mini-batches): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not). An on-policy update needs neither."""
 
 
 @dataclass
@@ -143,13 +141,17 @@ def resolve_algo(algo: GRPOConfig, max_tokens: int) -> GRPOConfig:
         kl_in_reward=KL_IN_REWARD[estimator] if algo.kl_in_reward is None else algo.kl_in_reward)
 
 
-def grpo_loss(log_probs, mb, entropy=None, *, algo: GRPOConfig):
+def grpo_loss(log_probs, mb, entropy=None, *, algo: GRPOConfig, correction: algos.RolloutCorrection):
     """The clipped policy loss on the advantages, plus the KL loss to the reference, both
     aggregated as --algo.loss-agg (so that the update's micro-batch weighting is exact)."""
     mask = mb["response_mask"]
+    # the engine sampled: its tokens weighted towards the trainer's policy where the two differ
+    weights, corrected = correction(mb)
     # clipped below and above apart: a higher upper clip (DAPO) lets rare good tokens gain faster
     loss, metrics = algos.policy_loss_fn(algo.loss)(log_probs, mb["old_log_probs"], mb["advantages"], mask,
-                                                    clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg)
+                                                    clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg,
+                                                    is_weights=weights)
+    metrics |= corrected
     if algo.kl_coef > 0 and not algo.kl_in_reward:   # in the loss, the KL leaves advantages group-relative
         kl = algos.aggregate_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], algo.kl_kind), mask, algo.loss_agg)
         loss = loss + algo.kl_coef * kl
@@ -200,7 +202,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     run = setup.run(actor, rewards.rule, trained={"actor": actor})
     # a KL in the reward needs the sampling policy's log-probs before the update
     old = setup.old_log_probs(kl_in_reward=ref is not None and algo.kl_in_reward)
-    loss_fn = functools.partial(grpo_loss, algo=algo)
+    loss_fn = functools.partial(grpo_loss, algo=algo, correction=old.correction)
     estimator = algos.estimator(algo.estimator)
 
     timer, temperature = Timer(), cfg.rollout.temperature

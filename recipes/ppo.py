@@ -31,7 +31,7 @@ from typing import Literal
 
 import hflow
 from hflow import algos
-from hflow.config import (ActorConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
+from hflow.config import (ActorConfig, OffPolicyConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
                           RolloutConfig, TrainerConfig, by_model)
 from hflow.default import EMBEDDED
 from hflow.metrics import Timer
@@ -42,7 +42,7 @@ from hflow.workers import Actor, Critic, Reference
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(OffPolicyConfig):
     gamma: float = 1.0
     """Discount of GAE."""
     lam: float = 1.0
@@ -69,8 +69,6 @@ class PPOConfig:
     """Weight of the entropy bonus."""
     critic_warmup: int = 20
     """Steps that train only the critic before the actor starts."""
-    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
-    """Old log-probs (for the KL in the reward, or an off-policy update): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not). An on-policy update without a KL reward needs neither."""
 
 
 @dataclass
@@ -88,11 +86,14 @@ class Config:
         steps=150, eval_every=50, output_dir="outputs/ppo"))
 
 
-def actor_loss(log_probs, mb, entropy=None, *, algo: PPOConfig, kl_coef: float):
+def actor_loss(log_probs, mb, entropy=None, *, algo: PPOConfig, kl_coef: float,
+               correction: algos.RolloutCorrection):
     mask = mb["response_mask"]
     # the clip keeps each update near the sampling policy; dual-clip bounds the loss of bad tokens
+    weights, corrected = correction(mb)   # the engine sampled: weighted towards the trainer's policy
     loss, metrics = algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask,
-                                      algo.clip_low, algo.clip_high, algo.dual_clip)
+                                      algo.clip_low, algo.clip_high, algo.dual_clip, is_weights=weights)
+    metrics |= corrected
     if algo.kl_loss and kl_coef > 0:
         kl = algos.masked_mean(algos.kl_penalty(log_probs, mb["ref_log_probs"], "low_var_kl"), mask)
         loss = loss + kl_coef * kl
@@ -152,7 +153,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
             with timer("update"):      # the critic and the actor train at the same time when split
                 critic_update = critic.update.future(batch, functools.partial(critic_loss, algo=algo))
                 if step > algo.critic_warmup:   # advantages from an untrained critic are noise
-                    loss_fn = functools.partial(actor_loss, algo=algo, kl_coef=kl_ctrl.value)
+                    loss_fn = functools.partial(actor_loss, algo=algo, kl_coef=kl_ctrl.value,
+                                                correction=old.correction)
                     metrics |= actor.update(batch, loss_fn, with_entropy=algo.entropy_coef > 0)[0]
                 metrics |= critic_update.result()[0]
         if ref:   # the adaptive controller moves beta towards --algo.kl-target (the fixed one ignores this)

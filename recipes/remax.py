@@ -34,7 +34,7 @@ import torch
 
 import hflow
 from hflow import algos
-from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
+from hflow.config import (ActorConfig, OffPolicyConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                           TrainerConfig, by_model)
 from hflow.default import EMBEDDED
 from hflow.metrics import Timer
@@ -46,7 +46,7 @@ from hflow.workers.rollout import split_greedy
 
 
 @dataclass
-class ReMaxConfig:
+class ReMaxConfig(OffPolicyConfig):
     kl_coef: float = 0.0
     """beta: weight of the k1 KL penalty to the reference in the reward (0: no reference model at all; verl's example uses 0.001, the paper 0.05)."""
     clip_low: float = 0.2
@@ -55,8 +55,6 @@ class ReMaxConfig:
     """PPO clip above: ratio <= 1 + clip_high (inactive on-policy)."""
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How the loss averages over tokens and sequences (token-mean: the paper's and verl's)."""
-    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
-    """Old log-probs (for the KL in the reward, or an off-policy update): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not). An on-policy update without a KL needs neither."""
 
 
 @dataclass
@@ -85,10 +83,12 @@ def remax_advantages(scores, greedy_scores, mask, kl=None, kl_coef: float = 0.0)
     return advantages
 
 
-def remax_loss(log_probs, mb, entropy=None, *, algo: ReMaxConfig):
+def remax_loss(log_probs, mb, entropy=None, *, algo: ReMaxConfig, correction: algos.RolloutCorrection):
     """The PPO clipped surrogate on the ReMax advantages (verl); on-policy it is REINFORCE."""
-    return algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
-                             algo.clip_low, algo.clip_high, agg=algo.loss_agg)
+    weights, corrected = correction(mb)   # the engine sampled: weighted towards the trainer's policy
+    loss, metrics = algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
+                                      algo.clip_low, algo.clip_high, agg=algo.loss_agg, is_weights=weights)
+    return loss, metrics | corrected
 
 
 def main(cluster: hflow.Cluster, cfg: Config):
@@ -104,7 +104,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     run = setup.run(actor, rewards.rule, trained={"actor": actor})
     # the KL is in the reward: it needs the sampling policy's log-probs before the update
     old = setup.old_log_probs(kl_in_reward=ref is not None)
-    loss_fn = functools.partial(remax_loss, algo=algo)
+    loss_fn = functools.partial(remax_loss, algo=algo, correction=old.correction)
 
     timer, temperature = Timer(), cfg.rollout.temperature
     for step in run.steps():

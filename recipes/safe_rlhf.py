@@ -49,13 +49,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 import hflow
 from hflow import algos
-from hflow.config import (ActorConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
+from hflow.config import (ActorConfig, OffPolicyConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
                           RewardModelConfig, RolloutConfig, TrainerConfig, by_model)
 from hflow.data import safety
 from hflow.default import EMBEDDED, refusing_policy
@@ -73,7 +72,7 @@ CONSOLE_KEYS = ("reward/mean", "cost/mean", "lambda", "safety/answer_accuracy", 
 
 
 @dataclass
-class SafeRLHFConfig:
+class SafeRLHFConfig(OffPolicyConfig):
     cost_threshold: float = by_model(-7.5, 0.0)
     """d: the constraint is mean cost <= d (cost > 0 means unsafe). The embedded default's cost model scores safe responses ~-8.7 and unsafe ones ~+8.9: -7.5 allows ~7 % unsafe ones; 0 is Safe-RLHF's."""
     lambda_init: float = by_model(5.0, 1.0)
@@ -96,8 +95,6 @@ class SafeRLHFConfig:
     """Clip each critic's predictions to its old value +- this (Safe-RLHF's 5: a cost model's scores span several units)."""
     critic_warmup: int = 20
     """Steps that train only the critics (lambda is not updated while the actor does not train)."""
-    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
-    """Old log-probs (for the KL in the reward, or an off-policy update): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not). An on-policy update without a KL needs neither."""
 
 
 @dataclass
@@ -124,9 +121,11 @@ class Config:
         steps=150, eval_every=50, output_dir="outputs/safe_rlhf", logging=LoggingConfig(console_keys=CONSOLE_KEYS)))
 
 
-def actor_loss(log_probs, mb, entropy=None, *, algo: SafeRLHFConfig):
-    return algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
-                             algo.clip_low, algo.clip_high)
+def actor_loss(log_probs, mb, entropy=None, *, algo: SafeRLHFConfig, correction: algos.RolloutCorrection):
+    weights, corrected = correction(mb)   # the engine sampled: weighted towards the trainer's policy
+    loss, metrics = algos.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
+                                      algo.clip_low, algo.clip_high, is_weights=weights)
+    return loss, metrics | corrected
 
 
 def critic_loss(values, mb, *, algo: SafeRLHFConfig, channel: str):
@@ -203,7 +202,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 critic_updates = [critic.update.future(batch, functools.partial(critic_loss, algo=algo, channel=ch))
                                   for critic, ch in ((reward_critic, "reward"), (cost_critic, "cost"))]
                 if step > algo.critic_warmup:   # advantages from untrained critics are noise
-                    metrics |= actor.update(batch, functools.partial(actor_loss, algo=algo))[0]
+                    loss_fn = functools.partial(actor_loss, algo=algo, correction=old.correction)
+                    metrics |= actor.update(batch, loss_fn)[0]
                 metrics |= critic_updates[0].result()[0]
                 metrics |= {f"cost_{k}": v for k, v in critic_updates[1].result()[0].items()}
         metrics |= {"cost/mean": mean_cost, "cost/unsafe_fraction": (costs > 0).float().mean().item(),

@@ -287,7 +287,8 @@ ON_POLICY = os.path.join(PROGRAMS, "fsdp_on_policy.py")
 @pytest.mark.dist
 def test_on_policy_update_skips_the_old_log_probs_pass(tmp_path):
     """Without old_log_probs an on-policy update uses its own detached log-probs: the same
-    update as recomputing them first, on 1 and on 2 ranks; an off-policy one refuses."""
+    update as recomputing them first, on 1 and on 2 ranks; an off-policy one refuses. A *_max
+    metric is reduced by max."""
     path = tiny_model_dir(tmp_path / "model")
     runs = {}
     for world in (1, 2):
@@ -307,6 +308,8 @@ def test_on_policy_update_skips_the_old_log_probs_pass(tmp_path):
             assert recomputed["actor/ratio_dev"] < 1e-6
             for key in ("actor/loss", "actor/grad_norm"):
                 assert skipped[key] == pytest.approx(recomputed[key], rel=1e-6, abs=1e-7), (world, key)
+        # a metric named *_max is the maximum over micro-batches and ranks, not their mean
+        assert [m["actor/advantage_max"] for m in run["skip"]] == pytest.approx(run["advantage_max"])
         for name, w in run["skip_weights"].items():
             torch.testing.assert_close(w, run["recompute_weights"][name], rtol=1e-6, atol=1e-7)
     # 1 rank == 2 ranks (the weights themselves: test_one_rank_and_two_ranks_train_the_same;

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hflow.batch import Batch
-from hflow.config import ActorConfig, DataConfig, FSDPConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from hflow.config import (ActorConfig, DataConfig, FSDPConfig, ModelConfig, OffPolicyConfig, RewardConfig,
+                          RolloutConfig, TrainerConfig)
 from hflow.default.model import build_default
 from hflow.recipe import OldLogProbs, gather, kl_to_reference, set_up, step_metrics
 from hflow.validation import ConfigError
@@ -96,6 +97,29 @@ def test_where_the_old_log_probs_come_from(epochs, mini, choice, dtype, kl, expe
     cfg = config(actor=ActorConfig(epochs=epochs, mini_batch_size=mini, fsdp=FSDPConfig(param_dtype=dtype)),
                  algo=SimpleNamespace(old_log_probs=choice))
     assert OldLogProbs.choose(cfg, "cpu", kl_in_reward=kl).source == expected
+
+
+@pytest.mark.parametrize("epochs,choice,correction,dtype,kl,source,mode", [
+    (1, "auto", "auto", "bfloat16", False, "update", "tis"),    # bf16: tis by default, on the update's own
+    (1, "auto", "auto", "auto", False, "update", "none"),       # fp32: nothing to correct
+    (1, "auto", "auto", "auto", True, "rollout", "none"),       # ... so the engine's are the old ones
+    (1, "auto", "tis", "auto", True, "recompute", "tis"),       # asked for in fp32: measured against a pass
+    (2, "auto", "mis", "bfloat16", False, "recompute", "mis"),
+    (1, "recompute", "none", "bfloat16", True, "recompute", "none"),   # off: the gap is still measured
+])
+def test_the_rollout_correction_compares_the_engine_with_the_trainer(epochs, choice, correction, dtype, kl,
+                                                                      source, mode):
+    cfg = config(actor=ActorConfig(epochs=epochs, fsdp=FSDPConfig(param_dtype=dtype)),
+                 algo=OffPolicyConfig(old_log_probs=choice, rollout_correction=correction))
+    old = OldLogProbs.choose(cfg, "cpu", kl_in_reward=kl)
+    assert (old.source, old.correction.mode) == (source, mode)
+    assert old.correction.measured == (source != "rollout")   # the engine's own: nothing to compare
+
+
+def test_a_rollout_correction_against_the_engines_own_log_probs_is_refused():
+    with pytest.raises(ConfigError, match="use recompute or auto"):
+        OldLogProbs.choose(config(algo=OffPolicyConfig(old_log_probs="rollout", rollout_correction="tis")), "cpu",
+                           kl_in_reward=True)
 
 
 def test_old_log_probs_from_the_rollout_are_the_engines_and_start_no_call():

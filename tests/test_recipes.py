@@ -105,7 +105,28 @@ def test_grpo_off_policy_old_log_probs_from_the_rollout_equal_recomputed(tiny_mo
     # no reference model (--algo.kl-coef 0): no KL is computed, so none is logged
     assert not any("kl/mean" in row for run in logged.values() for row in run)
     for a, b in zip(logged["recompute"], logged["rollout"]):
+        # only the recomputation has the trainer's log-probs to set beside the engine's
+        gap = {k: a.pop(k) for k in list(a) if k.startswith("actor/mismatch/")}
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6), a["step"]
+        assert not gap or gap["actor/mismatch/abs_log_ratio_max"] < 1e-5
+
+
+@pytest.mark.dist
+def test_grpo_measures_the_engine_trainer_gap_and_corrects_it_in_bf16(tiny_model, tmp_path):
+    """The mismatch metrics every step: ~1e-7 in fp32 (measured here against a recomputation,
+    --algo.rollout-correction mis over two epochs), clearly more in bf16, where tis is on by default."""
+    gaps = {}
+    for name, flags in (("fp32", ("--algo.rollout-correction", "mis", "--actor.epochs", 2)),
+                        ("bf16", ("--actor.fsdp.param-dtype", "bfloat16"))):
+        out = tmp_path / name
+        torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 2, "--trainer.no-export", *flags),
+                 timeout=400).check()
+        gaps[name] = rows(out)[1:]
+    for row in gaps["fp32"] + gaps["bf16"]:
+        assert 0 <= row["actor/mismatch/abs_log_ratio_mean"] <= row["actor/mismatch/abs_log_ratio_max"]
+        assert row["actor/mismatch/is_weight_mean"] > 0 and 0 <= row["actor/mismatch/capped_fraction"] <= 1
+    assert all(row["actor/mismatch/abs_log_ratio_max"] < 1e-5 for row in gaps["fp32"])
+    assert all(row["actor/mismatch/abs_log_ratio_max"] > 1e-4 for row in gaps["bf16"])
 
 
 @pytest.mark.dist

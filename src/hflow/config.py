@@ -10,6 +10,8 @@ imports its whole configuration from one place:
     --critic.*   CriticConfig     the value model's training (hflow.workers)
     --rollout.*  RolloutConfig    sampling and the generation engine (hflow.workers)
     --trainer.*  TrainerConfig    steps, evaluation, checkpoints, logging, placement
+    --algo.*     the recipe's own; an RL recipe's inherits OffPolicyConfig (the old log-probs
+                 and the rollout correction)
 
 Some defaults depend on the model. The embedded default (a few-million-parameter model on a toy
 task, `--model.path` empty) learns with a large learning rate and answers in a few tokens; a
@@ -32,7 +34,7 @@ from hflow.workers import (ActorConfig, CriticConfig, FSDPConfig, OptimConfig, R
 
 __all__ = ["ModelConfig", "RolloutConfig", "TrainerConfig", "DataConfig", "RewardConfig",
            "ActorConfig", "CriticConfig", "RewardModelConfig", "OptimConfig", "FSDPConfig",
-           "LoggingConfig", "by_model", "resolve_defaults"]
+           "LoggingConfig", "OffPolicyConfig", "by_model", "resolve_defaults"]
 
 
 @dataclass
@@ -43,6 +45,20 @@ class ModelConfig:
     """Size of the embedded default model (used when --model.path is empty)."""
     default_seed: int = 0
     """Seed of the embedded default model and of its warm-up."""
+
+
+@dataclass
+class OffPolicyConfig:
+    """The --algo.* flags of every RL recipe's policy update on samples from the engine (the base
+    of each recipe's algorithm config; hflow.recipe.OldLogProbs resolves them)."""
+    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
+    """Old log-probs (for a KL in the reward, an off-policy update, or the rollout correction): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not) and no correction is on. An on-policy update with neither needs none."""
+    rollout_correction: Literal["auto", "none", "tis", "mis"] = "auto"
+    """Weight each sampled token by pi_trainer / pi_engine (hflow.algos.correction): tis truncates the weight at the cap, mis drops samples beyond it, none takes the ratio as 1; auto: tis when the actor computes in bf16/fp16 (the engine's log-probs differ), none in fp32."""
+    rollout_correction_level: Literal["token", "sequence"] = "token"
+    """The ratio per token, or one per response (the product over its tokens)."""
+    rollout_correction_cap: float = 2.0
+    """The cap of the importance weight (tis: truncated to it; mis: dropped above it)."""
 
 
 @dataclass

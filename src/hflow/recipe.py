@@ -180,27 +180,41 @@ def scorer_flag_problems(value: str, flag: str, kind: str, model, default) -> li
 
 class OldLogProbs:
     """Where a step's old log-probs come from: the sampling policy's log-probs of its own tokens,
-    which a KL in the reward and an off-policy update (several epochs or mini-batches) need.
+    which a KL in the reward, an off-policy update (several epochs or mini-batches) and the
+    rollout correction need; and the correction itself (`correction`, for the actor's loss).
 
     update     on-policy without a KL in the reward: the update's own detached log-probs are
                the old ones (ratio exactly 1), so no pass is spent on them;
     rollout    the engine's sampled-token log-probs (--algo.old-log-probs rollout, or auto when
-               the actor computes in fp32, where they equal a recomputation to ~1e-6);
+               the actor computes in fp32, where they equal a recomputation to ~1e-6, and no
+               correction is on: it would compare the engine's with themselves);
     recompute  a forward pass of the actor (--algo.old-log-probs recompute, or auto in bf16,
                where the engine's differ)."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, correction: algos.RolloutCorrection | None = None):
         self.source = source
+        self.correction = correction or algos.RolloutCorrection(measured=source != "rollout")
 
     @classmethod
     def choose(cls, cfg, device_type: str, kl_in_reward: bool) -> "OldLogProbs":
         """For a recipe's Config: its --actor.* and --data.batch-size, and --algo.old-log-probs
-        (auto when the recipe has no such flag)."""
-        if is_on_policy(cfg.actor, cfg.data.batch_size) and not kl_in_reward:
-            return cls("update")
-        choice = getattr(getattr(cfg, "algo", None), "old_log_probs", "auto")
+        and --algo.rollout-correction* (hflow.config.OffPolicyConfig; auto and none when the
+        recipe has no such flags)."""
+        algo = getattr(cfg, "algo", None)
+        choice = getattr(algo, "old_log_probs", "auto")
         exact = rollout_log_probs_exact(cfg.actor, device_type)
-        return cls("rollout" if choice == "rollout" or (choice == "auto" and exact) else "recompute")
+        mode = getattr(algo, "rollout_correction", "none")
+        mode = ("none" if exact else "tis") if mode == "auto" else mode
+        if mode != "none" and choice == "rollout":
+            raise ConfigError(f"--algo.rollout-correction {mode} weighs the engine's log-probs against the trainer's; "
+                              f"with --algo.old-log-probs rollout the trainer's are the engine's: use recompute or auto")
+        if is_on_policy(cfg.actor, cfg.data.batch_size) and not kl_in_reward:
+            source = "update"
+        else:
+            source = "rollout" if choice == "rollout" or (choice == "auto" and exact and mode == "none") else "recompute"
+        correction = algos.RolloutCorrection(mode, getattr(algo, "rollout_correction_level", "token"),
+                                             getattr(algo, "rollout_correction_cap", 2.0), measured=source != "rollout")
+        return cls(source, correction)
 
     def pending(self, actor, batch: Batch, temperature: float) -> list:
         """What this step's old log-probs need started: the engine's are put in `batch` now (no

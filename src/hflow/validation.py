@@ -92,6 +92,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     # the algorithm
     "clip_low": _within(0, 1, "PPO clip below: ratio >= 1 - clip_low", open_low=True, open_high=True),
     "clip_high": _positive("PPO clip above: ratio <= 1 + clip_high"),
+    "rollout_correction_cap": _positive("the cap of the rollout correction's importance weight"),
     "dual_clip": lambda v: None if v is None or v > 1 else "must be > 1 (dual-clip constant), or unset",
     "value_clip": _positive("clip of the value predictions"),
     "gamma": _within(0, 1, "discount"),

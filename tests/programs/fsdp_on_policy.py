@@ -14,7 +14,8 @@ def ppo_loss(logp, mb, entropy=None):
     mask = mb["response_mask"]
     ratio = torch.exp(logp - mb["old_log_probs"])
     per_token = -torch.min(ratio * mb["advantages"], ratio.clamp(0.8, 1.2) * mb["advantages"])
-    return (per_token * mask).sum() / mask.sum(), {"ratio_dev": ((ratio - 1).abs() * mask).sum() / mask.sum()}
+    return (per_token * mask).sum() / mask.sum(), {"ratio_dev": ((ratio - 1).abs() * mask).sum() / mask.sum(),
+                                                   "advantage_max": mb["advantages"][mask.bool()].max()}
 
 cfg = ActorConfig(model_path=path, micro_batch_size=3, optim=OptimConfig(lr=1e-2, grad_clip=0.5))
 recomputing, skipping = Actor(mesh, cfg), Actor(mesh, cfg)
@@ -23,6 +24,7 @@ for step in range(3):
     batch = random_rollouts(4, 2, 101, seed=20 + step)
     del batch["old_log_probs"]
     local = {k: v.chunk(world)[rank] for k, v in batch.items()}
+    saved.setdefault("advantage_max", []).append(batch["advantages"][batch["response_mask"].bool()].max().item())
     old = recomputing.log_probs(local)["old_log_probs"]
     saved["recompute"].append(recomputing.update({**local, "old_log_probs": old}, ppo_loss))
     with CollectiveBytes() as moved:

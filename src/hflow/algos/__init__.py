@@ -18,6 +18,7 @@ response). Conventions shared by every function here:
     advantages.py   the estimators (GAE, GRPO, Dr.GRPO, RLOO, ReMax, REINFORCE++, DAPO's filter and
                     overlong penalty) and ESTIMATORS, the registry recipes pick from by name
     losses.py       kl_penalty, the policy losses (POLICY_LOSSES: ppo, gspo), value_loss, nll_loss
+    correction.py   rollout correction: the engine/trainer log-prob gap and its importance weights
     kl_control.py   the fixed and adaptive KL coefficient controllers
     lagrangian.py   Safe-RLHF's Lagrange multiplier and the Lagrangian's advantage
     pairs.py        reward and cost models' losses on preference pairs
@@ -29,6 +30,8 @@ from hflow.algos.advantages import (ESTIMATORS, estimator, gae_advantages, grpo_
                                     groups_with_varied_scores, overlong_penalty, register_estimator,
                                     reinforce_pp_advantages, reinforce_pp_baseline_advantages,
                                     remax_advantages, rloo_advantages, scores_to_token_rewards)
+from hflow.algos.correction import (CORRECTION_LEVELS, CORRECTION_MODES, RolloutCorrection, importance_weights,
+                                    mismatch_metrics)
 from hflow.algos.kl_control import AdaptiveKLController, FixedKLController
 from hflow.algos.lagrangian import LagrangeMultiplier, lagrangian_advantages, update_log_lambda
 from hflow.algos.losses import (KL_KINDS, POLICY_LOSSES, entropy_from_logits, gspo_policy_loss, kl_penalty,
@@ -43,6 +46,7 @@ __all__ = [
     "overlong_penalty", "ESTIMATORS", "register_estimator", "estimator",
     "kl_penalty", "KL_KINDS", "policy_loss", "gspo_policy_loss", "value_loss", "entropy_from_logits",
     "nll_loss", "POLICY_LOSSES", "register_policy_loss", "policy_loss_fn",
+    "RolloutCorrection", "importance_weights", "mismatch_metrics", "CORRECTION_MODES", "CORRECTION_LEVELS",
     "FixedKLController", "AdaptiveKLController",
     "LagrangeMultiplier", "update_log_lambda", "lagrangian_advantages",
     "bradley_terry_loss", "cost_model_loss", "pair_metrics", "pair_loss",

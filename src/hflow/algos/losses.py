@@ -4,9 +4,10 @@ the KL estimators they use; the registry a recipe picks a policy loss from by na
 A loss returns `(loss, metrics)`: `loss` a 0-dim tensor carrying the gradient, `metrics` plain
 Python floats. A policy loss in `POLICY_LOSSES` takes
 
-    fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, agg) -> (loss, metrics)
+    fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, agg, is_weights) -> (loss, metrics)
 
-(`agg` one of AGG_MODES: how token losses add up over a micro-batch).
+(`agg` one of AGG_MODES: how token losses add up over a micro-batch; `is_weights` None, or the
+rollout correction's per-token weights (hflow.algos.correction) multiplying each token's loss).
 """
 import torch
 
@@ -59,14 +60,14 @@ def _k3_from_log_ratio(log_ratio, mask):
 
 @register_policy_loss("ppo")
 def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
-                agg="token-mean"):
+                agg="token-mean", is_weights=None):
     """PPO clipped surrogate (Schulman et al. 2017) with DAPO's clip-higher and dual-clip.
 
     r = π/π_old = exp(logp − old_logp),  A = advantages (no gradient to old_logp or A):
       L = max(−A·r, −A·clip(r, 1 − clip_low, 1 + clip_high))
       dual-clip (Ye et al. 2020), for A < 0 only:  L = min(L, −A·dual_clip)   (dual_clip > 1)
-    aggregated by `aggregate_loss(L, mask, agg)`; log r is clamped to ±20 for stability.
-    metrics: clipfrac (share of tokens where the clipped term is the max), approx_kl (k3 estimate
+    times `is_weights` (the rollout correction's, if any), aggregated by `aggregate_loss(L, mask,
+    agg)`; log r is clamped to ±20 for stability. metrics: clipfrac (share of tokens where the clipped term is the max), approx_kl (k3 estimate
     of KL(π_old ‖ π)), and with dual-clip clipfrac_lower (share of tokens capped by it).
     """
     log_ratio, m = _log_ratio(logp, old_logp, mask)
@@ -85,12 +86,12 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
         metrics["clipfrac_lower"] = masked_mean(capped.float(), m).item()
     metrics["clipfrac"] = masked_mean((clipped > unclipped).float(), m).item()
     metrics["approx_kl"] = _k3_from_log_ratio(log_ratio.detach(), m)
-    return aggregate_loss(loss_mat, m, agg), metrics
+    return aggregate_loss(_weighted(loss_mat, is_weights), m, agg), metrics
 
 
 @register_policy_loss("gspo")
 def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=4e-4,
-                     agg="seq-mean-token-mean"):
+                     agg="seq-mean-token-mean", is_weights=None):
     """GSPO (Zheng et al. 2025): PPO clipping on a sequence-level, length-normalised ratio.
 
     s_i = exp( (1/|y_i|) Σ_t m·(logp − old_logp) ),  per token (the paper's GSPO-token form)
@@ -112,7 +113,11 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
         "clipfrac": masked_mean((clipped > unclipped).float(), m).item(),
         "approx_kl": _k3_from_log_ratio(log_ratio.detach(), m),
     }
-    return aggregate_loss(loss_mat, m, agg), metrics
+    return aggregate_loss(_weighted(loss_mat, is_weights), m, agg), metrics
+
+
+def _weighted(loss_mat, is_weights):
+    return loss_mat if is_weights is None else loss_mat * is_weights.detach().to(loss_mat.dtype)
 
 
 def value_loss(values, old_values, returns, mask, clip=0.5, agg="token-mean"):

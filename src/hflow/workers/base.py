@@ -189,7 +189,8 @@ class ModelWorker:
 
         `loss_of(micro_batch) -> (loss, metrics)`, its loss aggregated over the micro-batch as
         `loss_agg` says (see the module docstring). Returns the loss and metrics averaged over
-        the optimizer steps (each step's are mini-batch-weighted means over all ranks), plus
+        the optimizer steps (each step's are mini-batch-weighted means over all ranks; a metric
+        named *_max is the maximum over everything instead), plus
         grad_norm, lr (the learning rate of the last step) and skipped_steps (optimizer steps
         skipped for a non-finite gradient norm), keyed "<role>/<name>" (e.g. actor/loss,
         actor/clipfrac, critic/grad_norm).
@@ -202,6 +203,7 @@ class ModelWorker:
         by_tokens = loss_agg == "token-mean"
         self.model.train()
         totals: dict[str, float] = defaultdict(float)
+        maxima: dict[str, float] = {}
         steps, skipped, lr = 0, 0, 0.0
         for _ in range(epochs):
             for mini_rows in micro_batches.minibatch_rows(rows, count):
@@ -215,7 +217,9 @@ class ModelWorker:
                     (loss * (dp * u / total)).backward()
                     sums["loss"] += float(loss.detach()) * u / total
                     for key, value in metrics.items():
-                        if key != "loss":
+                        if key.endswith("_max"):   # a maximum stays one: over micro-batches, ranks and steps
+                            maxima[key] = max(maxima.get(key, float("-inf")), float(value))
+                        elif key != "loss":
                             sums[key] += float(value) * u / total
                 grad_norm = clip_grad_norm_(self.model.parameters(), self.grad_clip)
                 lr = self.scheduler.get_last_lr()[0]
@@ -234,6 +238,10 @@ class ModelWorker:
                 totals["grad_norm"] += float(grad_norm)
                 steps += 1
         metrics = {k: v / steps for k, v in totals.items()}
+        if maxima:   # every rank logged the same keys: its loss function's
+            keys = sorted(maxima)
+            reduced = all_reduce_sum(torch.tensor([maxima[k] for k in keys]), self.mesh, op=dist.ReduceOp.MAX)
+            metrics |= dict(zip(keys, reduced.tolist()))
         metrics["lr"], metrics["skipped_steps"] = lr, float(skipped)
         metrics = {f"{self.metric_prefix}/{k}": v for k, v in metrics.items()}
         if measure.counting_enabled():

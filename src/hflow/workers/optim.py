@@ -101,9 +101,10 @@ def clip_grad_norm_(params: Iterator[nn.Parameter], max_norm: float) -> torch.Te
     return norm
 
 
-def all_reduce_sum(values: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Sum a small float64 CPU tensor over the mesh (on the mesh's device, back to CPU)."""
+def all_reduce_sum(values: torch.Tensor, mesh: DeviceMesh, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum (or reduce by `op`) a small float64 CPU tensor over the mesh (on the mesh's device,
+    back to CPU)."""
     out = values.to(device_of(mesh), torch.float64)
     if mesh.size() > 1:
-        dist.all_reduce(out, group=mesh.get_group())
+        dist.all_reduce(out, op=op, group=mesh.get_group())
     return out.cpu()
