@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from hflow import lora
 from hflow.parallel import device_of, local_group
 
 COLUMN_PARALLEL = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")
@@ -134,9 +135,26 @@ def generation_weights(model: nn.Module, gen_mesh: DeviceMesh, dtype: torch.dtyp
                        tp_dim: Callable[[str], int | None] = tensor_parallel_dim
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, this rank's generation shard) for every parameter of an FSDP2
-    model, one at a time. Every rank of the mesh must consume the whole iterator (collectives)."""
+    model, one at a time. Every rank of the mesh must consume the whole iterator (collectives).
+    A LoRA-adapted weight comes merged, W + (alpha / r) · B A (hflow.lora): the small A and B
+    gathered in full, the product sliced like W; the adapters themselves are not yielded."""
     if hasattr(model, "reshard"):
         model.reshard()  # a root kept unsharded after forward would hold plain tensors
+    adapted = lora.adapted_weights(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            yield name, generation_shard(param, gen_mesh, tp_dim(name), dtype)
+            if lora.is_adapter(name):
+                continue
+            dim = tp_dim(name)
+            shard = generation_shard(param, gen_mesh, dim, dtype)
+            if name in adapted:
+                shard = _merged(shard, adapted[name], gen_mesh, dim)
+            yield name, shard
+
+
+def _merged(shard: torch.Tensor, module: nn.Module, gen_mesh: DeviceMesh, dim: int | None) -> torch.Tensor:
+    full = [generation_shard(p, gen_mesh, None, torch.float32) for p in (module.lora_A, module.lora_B)]
+    delta = lora.low_rank_delta(*full, module.lora_scaling)
+    if dim is not None:
+        delta = delta.chunk(gen_mesh.size(0), dim)[gen_mesh.get_local_rank(0)]
+    return (shard.float() + delta).to(shard.dtype)

@@ -35,7 +35,7 @@ manifest), safe_format (JSON and allowlisted pickles), extra, state, spmd, runs,
 from .dirs import (begin_save, checkpoint_dir, checkpoint_step, commit, latest_checkpoint, list_checkpoints,
                    prune_stale, temporary_dir)
 from .errors import CheckpointError
-from .export import export_hf
+from .export import export_hf, export_peft_adapter
 from .extra import EXTRA_FILE, read_extra, write_extra
 from .integrity import MANIFEST, verify
 from .runs import resume_run, save_run
@@ -45,5 +45,5 @@ from .state import ModelState, RNGState, rng_state, set_rng_state
 
 __all__ = ["save_run", "resume_run", "latest_checkpoint", "list_checkpoints", "checkpoint_dir", "checkpoint_step",
            "begin_save", "commit", "save_sharded", "load_sharded", "write_extra", "read_extra", "save_checkpoint",
-           "load_checkpoint", "export_hf", "ModelState", "RNGState", "rng_state", "set_rng_state",
+           "load_checkpoint", "export_hf", "export_peft_adapter", "ModelState", "RNGState", "rng_state", "set_rng_state",
            "temporary_dir", "prune_stale", "verify", "CheckpointError", "EXTRA_FILE", "MANIFEST"]

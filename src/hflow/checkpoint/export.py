@@ -2,6 +2,7 @@
 `from_pretrained` loads."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -10,7 +11,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from safetensors.torch import save_file
 from transformers import AutoTokenizer
+
+from hflow import lora
 
 
 def _rank(group) -> int:
@@ -26,6 +30,7 @@ def export_hf(model, path, tokenizer=None, process_group=None) -> Path:
     """Write `model` (a transformers causal LM, FSDP2-sharded or not) as a Hugging Face
     directory: safetensors + config + generation config (+ tokenizer, an object or a directory
     to copy it from). Collective over the model's ranks; rank 0 of `process_group` writes.
+    LoRA adapters (hflow.lora) are merged into their weights: the directory is a plain model.
 
     Parameters are gathered one at a time and moved to CPU on the writing rank only, so the
     extra accelerator memory is one full parameter. (`get_model_state_dict` with
@@ -33,19 +38,45 @@ def export_hf(model, path, tokenizer=None, process_group=None) -> Path:
     is not in the group when the actor does not live on rank 0.)
     """
     writer = _rank(process_group) == 0
+    full = _gathered(model, writer)
+    path = Path(path)
+    if writer:
+        scaling = next((m.lora_scaling for m in lora.adapted_weights(model).values()), None)
+        _save_pretrained(model, lora.merge_state_dict(full, scaling) if scaling else full, path, tokenizer)
+    _barrier(process_group)
+    return path
+
+
+def export_peft_adapter(model, path, cfg: lora.LoRAConfig, base_model: str, process_group=None) -> Path:
+    """Write the LoRA adapters of `model` as a PEFT adapter directory (adapter_config.json,
+    adapter_model.safetensors) that `peft.PeftModel.from_pretrained(<the base model>, path)`
+    loads. Collective, like export_hf."""
+    writer = _rank(process_group) == 0
+    adapters = _gathered(model, writer, keep=lora.is_adapter)
+    path = Path(path)
+    if writer:
+        config, tensors = lora.peft_adapter_files(adapters, cfg, base_model)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, path / "adapter_model.safetensors")
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    _barrier(process_group)
+    return path
+
+
+def _gathered(model, writer: bool, keep=lambda name: True) -> dict[str, torch.Tensor]:
+    """{name: full tensor on CPU} of the model's state (`keep` names only) on the writing rank,
+    {} on the others; every rank takes part in each parameter's gather."""
     sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     full = {}
     for name, tensor in sharded.items():
+        if not keep(name):
+            continue
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()      # collective over the parameter's mesh
         if writer:
             full[name] = tensor.detach().to("cpu", copy=True)
         del tensor
-    path = Path(path)
-    if writer:
-        _save_pretrained(model, full, path, tokenizer)
-    _barrier(process_group)
-    return path
+    return full
 
 
 def _save_pretrained(model, state_dict: dict, path: Path, tokenizer):

@@ -6,7 +6,7 @@ import random
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import safe_format
@@ -24,7 +24,8 @@ class ModelState(Stateful):
 
     def state_dict(self):
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
-        out = {"model": model_sd}
+        # frozen weights (a LoRA model's base) are the model directory's: only what trains is kept
+        out = {"model": {k: v for k, v in model_sd.items() if k not in self._frozen()}}
         if self.optimizer is not None:
             out["optimizer"] = optim_sd
         if self.scheduler is not None:
@@ -33,9 +34,17 @@ class ModelState(Stateful):
 
     def load_state_dict(self, state_dict):
         set_state_dict(self.model, self._optimizers(), model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict.get("optimizer", {}))
+                       optim_state_dict=state_dict.get("optimizer", {}),
+                       options=StateDictOptions(strict=not self._frozen()))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])
+
+    def _frozen(self) -> set[str]:
+        """Names of the frozen parameters of a model that also trains some (none otherwise: a
+        frozen model's checkpoint, if ever written, keeps its weights)."""
+        params = dict(self.model.named_parameters())
+        frozen = {n for n, p in params.items() if not p.requires_grad}
+        return frozen if len(frozen) < len(params) else set()
 
     def _optimizers(self):
         return [] if self.optimizer is None else [self.optimizer]

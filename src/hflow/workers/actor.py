@@ -22,7 +22,7 @@ function or a functools.partial of one) to reach the workers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -30,8 +30,10 @@ from tyro.conf import Suppress
 from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.batch import Batch
+from hflow.checkpoint import export_peft_adapter
 from hflow.dispatch import dispatch
 from hflow.faults import fault_point
+from hflow.lora import LoRAConfig
 from hflow import layout
 from hflow.workers import packing
 from hflow.workers.log_probs import token_log_probs
@@ -48,6 +50,7 @@ class ActorConfig(TrainingConfig):
 
     model_path: Suppress[str] = ""
     """Hugging Face directory of the policy (config.json + safetensors); recipes set it from --model.path"""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 class Actor(ModelWorker):
@@ -60,7 +63,7 @@ class Actor(ModelWorker):
     def __init__(self, mesh: DeviceMesh, cfg: ActorConfig):
         if not cfg.model_path:
             raise ValueError(f"--{self.flag_prefix}.model-path is required (a Hugging Face directory)")
-        model = build_model(cfg.model_path, mesh, cfg.fsdp, "causal_lm", trainable=self.trainable)
+        model = build_model(cfg.model_path, mesh, cfg.fsdp, "causal_lm", trainable=self.trainable, lora_cfg=cfg.lora)
         super().__init__(mesh, model, cfg, cfg.optim if self.trainable else None)
         self.hybrid_engine = HybridEngine(mesh, model, cfg.model_path, cfg.fsdp) if self.trainable else None
 
@@ -122,6 +125,15 @@ class Actor(ModelWorker):
 
         fault_point("update")
         return self.train(tensors, n, loss_of, self.cfg.epochs, loss_agg)
+
+    @dispatch("all")
+    def export_hf(self, path: str, tokenizer: str | None = None) -> None:
+        """A Hugging Face directory of the policy (ModelWorker.export_hf); with LoRA the adapters
+        merged into it, and beside it `<path>_lora`, a PEFT adapter directory for the base."""
+        super().export_hf(path, tokenizer)
+        if self.cfg.lora.rank > 0:
+            export_peft_adapter(self.model, f"{path}_lora", self.cfg.lora, self.cfg.model_path,
+                                process_group=self.mesh.get_group())
 
     @dispatch("all")
     def load(self, path: str) -> dict[str, tuple]:

@@ -20,20 +20,24 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification)
 
+from hflow.lora import LoRAConfig, add_adapters, init_adapters, is_adapter
 from hflow.parallel import device_of
 from hflow.workers.fsdp import FSDPConfig, materialize, params_on_meta, shard_model, storage_dtype
 from hflow.workers.packing import register_attention
 
 
 def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causal_lm",
-                trainable: bool = True, head_init_seed: int = 0) -> nn.Module:
+                trainable: bool = True, head_init_seed: int = 0, lora_cfg: LoRAConfig | None = None) -> nn.Module:
     """A sharded `transformers` model loaded from the Hugging Face directory `path`.
 
     kind: "causal_lm" (AutoModelForCausalLM), "value" (AutoModelForTokenClassification with one
     label: a scalar per token) or "reward" (AutoModelForSequenceClassification, one label).
     A "value" model built from a causal-LM checkpoint keeps the backbone and gets a new head,
-    normal(0, initializer_range) from `head_init_seed` (the same on every rank).
+    normal(0, initializer_range) from `head_init_seed` (the same on every rank). With
+    `lora_cfg.rank` > 0 only LoRA adapters are trained (hflow.lora), on a frozen base stored in
+    the compute dtype.
     """
+    adapters = trainable and lora_cfg is not None and lora_cfg.rank > 0
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path!r} is not a Hugging Face model directory (no config.json)")
     config = AutoConfig.from_pretrained(path)
@@ -46,20 +50,24 @@ def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causa
     without_dropout(config)
     with params_on_meta():
         # every pass of a worker runs on packed sequences (hflow/workers/packing.py)
-        model = auto.from_config(config, dtype=storage_dtype(cfg, device_of(mesh), trainable),
+        model = auto.from_config(config, dtype=storage_dtype(cfg, device_of(mesh), trainable and not adapters),
                                  attn_implementation=register_attention())
     for module in model.modules():   # any dropout the config does not name
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     model.requires_grad_(trainable)
+    if adapters:   # before sharding: FSDP2 then shards each layer's adapters with it
+        add_adapters(model, lora_cfg)
     shard_model(model, mesh, cfg)
     materialize(model, mesh, cfg)
 
     new_head = kind != "causal_lm" and _is_causal_lm_checkpoint(path)
     load_hf_weights(model, path, ignore=lambda k: new_head and k.startswith("lm_head."),
-                    allow_missing=lambda n: new_head and n.startswith("score."))
+                    allow_missing=lambda n: (new_head and n.startswith("score.")) or (adapters and is_adapter(n)))
     if new_head:
         _init_head(model.score, config.initializer_range, head_init_seed)
+    if adapters:
+        init_adapters(model, head_init_seed, local_slices)
     if not trainable:
         model.eval()
     return model
