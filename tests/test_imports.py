@@ -120,7 +120,7 @@ def test_the_library_does_not_import_the_embedded_default():
 LAYERS = {
     # 0: foundations, importing nothing of hflow
     "batch": 0, "transport": 0, "parallel": 0, "validation": 0, "metrics": 0, "measure": 0, "faults": 0,
-    "by_model": 0,
+    "by_model": 0, "lora": 0,
     # 1: building blocks
     "layout": 1, "dispatch": 1, "server": 1, "stopping": 1, "checkpoint": 1, "reshard": 1, "algos": 1, "engine": 1, "rewards": 1,
     # 1.5: agents (environments, tools, trajectories) use the engine's and rewards' pieces, and
