@@ -152,9 +152,13 @@ def main():
                "--mode", mode, "--model", str(model), "--out", str(out), "--steps", str(args.steps),
                "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
                "--response-len", str(args.response_len), "--dtype", args.dtype, "--lora-rank", str(args.lora_rank)]
-        start = time.perf_counter()
-        subprocess.run(cmd, check=True, env=env, cwd=REPO)
-        results[mode] = json.loads(out.read_text()) | {"wall_s": time.perf_counter() - start}
+        out.unlink(missing_ok=True)
+        done = subprocess.run(cmd, env=env, cwd=REPO)
+        if done.returncode:   # e.g. SIGKILL by the kernel's OOM killer: the other mode still runs
+            print(f"bench_lora: {mode} failed (exit {done.returncode}; -9 or 1 after a SIGKILL is most "
+                  f"often the OOM killer: see dmesg)", flush=True)
+            continue
+        results[mode] = json.loads(out.read_text())
     peak = bf16_peak()
     config = json.loads((model / "config.json").read_text())
     h, inter, layers, vocab = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], \
@@ -173,6 +177,8 @@ def main():
         handoff = statistics.median(r["times"]["handoff_s"][1:] or r["times"]["handoff_s"])
         rss = " / ".join(f"{x:.1f}" for x in r["peak_rss_gib"])
         print(f"| {mode} | {r['trained_parameters'] / 1e6:.1f}M | {update:.1f} | {floor:.1f} | {handoff:.1f} | {rss} |")
+    if len(results) < 2:
+        return
     f, lo = results["full"], results["lora"]
     print(f"LoRA / full: update {statistics.median(lo['times']['update_s'][1:] or lo['times']['update_s']) / statistics.median(f['times']['update_s'][1:] or f['times']['update_s']):.2f}x time, "
           f"peak memory {max(lo['peak_rss_gib']) / max(f['peak_rss_gib']):.2f}x")

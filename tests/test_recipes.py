@@ -130,6 +130,31 @@ def test_grpo_measures_the_engine_trainer_gap_and_corrects_it_in_bf16(tiny_model
 
 
 @pytest.mark.dist
+def test_grpo_with_lora_resumes_exactly_from_adapter_checkpoints_and_exports_both_ways(tiny_model, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    lora = ("--actor.lora.rank", 4, "--actor.lora.alpha", 8, "--actor.optim.lr", 1e-2)
+    torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, straight, 4, *lora), timeout=400).check()
+    torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, resumed, 2, "--trainer.save-every", 2,
+                                                    "--trainer.no-export", *lora), timeout=400).check()
+    torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, resumed, 4, "--trainer.resume", *lora),
+             timeout=400).check()
+    a, b = rows(straight), rows(resumed)
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    for x, y in zip(a, b):
+        x, y = without_timing(x), without_timing(y)
+        if x["step"] == 2:   # the interrupted run also evaluated at its last step
+            y = {k: v for k, v in y.items() if not k.startswith("eval/")}
+        assert x == y, x["step"]
+    # the checkpoint is the adapters' and their Adam moments: less than the model itself (a full
+    # fine-tuning checkpoint holds the weights and two moments, 3x the model)
+    model_bytes = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors"))
+    ckpt_bytes = sum(f.stat().st_size for f in (resumed / "checkpoints" / "step_2").rglob("*.distcp"))
+    assert ckpt_bytes < model_bytes, (ckpt_bytes, model_bytes)
+    assert (straight / "actor_hf" / "config.json").exists()
+    assert (straight / "actor_hf_lora" / "adapter_config.json").exists()
+
+
+@pytest.mark.dist
 def test_grpo_dapo_dynamic_sampling_fills_the_batch_with_groups_that_differ(tiny_model, tmp_path):
     """DAPO's flags together: groups whose samples all scored alike are dropped and more prompts
     sampled (at most 3 rounds), the rest trained on with clip-higher and overlong shaping."""
