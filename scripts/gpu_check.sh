@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The first thing to run on a machine with a GPU (one is enough): ~10 minutes, a summary at the end.
+# The first thing to run on a machine with a GPU (one is enough): ~12 minutes, a summary at the end.
 #
 #   scripts/gpu_check.sh                 # all three parts
-#   scripts/gpu_check.sh tests bench     # some of them: tests, bench, grpo
+#   scripts/gpu_check.sh tests bench     # some of them: tests, bench, grpo, lora
 #
 # 1. tests   the device-parametrised tests with HFLOW_DEVICE=cuda: the engine against transformers
 #            in fp32 (tests/test_engine.py, one step = one copy each way checked with CUDA's sync
@@ -12,7 +12,9 @@
 # 2. bench   scripts/bench_generate.py --workload gpu-0.5b: the engine against transformers'
 #            generate, bf16, Qwen2.5-0.5B's shape;
 # 3. grpo    scripts/gpu_grpo_steps.py: 3 GRPO steps (actor + frozen reference, bf16) on a random
-#            0.5B-shaped model: each phase's time and memory peak.
+#            0.5B-shaped model: each phase's time and memory peak, and the bf16 engine/trainer
+#            log-prob gap (corrected by truncated importance sampling);
+# 4. lora    the same with LoRA adapters (rank 16) on the actor: the memory and time it saves.
 #
 # Logs go to $HFLOW_GPU_CHECK_DIR (default outputs/gpu_check/<time>; on a lent device machine,
 # HFLOW_GPU_CHECK_DIR=$OUT/gpu_check brings them back); each part has a time limit.
@@ -23,7 +25,7 @@ set -u
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests bench grpo)
+[ ${#parts[@]} -eq 0 ] && parts=(tests bench grpo lora)
 out=${HFLOW_GPU_CHECK_DIR:-outputs/gpu_check/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
 export PYTHONPATH="$repo/src:$repo/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -86,8 +88,15 @@ for part in "${parts[@]}"; do
             --steps 3 --model-dir "$out/model" "${size[@]}"
         summary+=("$(grep -E "^(step |summary)" "$out/grpo.log" | sed 's/^/  /')")
         ;;
+    lora)
+        if [ $cpu = 1 ]; then size=(--shape tiny --prompts 8 --samples 4 --max-tokens 32 --prompt-len 32 --eos-prob 0.05)
+        else size=(--shape 0.5b); fi
+        run_part lora 330 python -m torch.distributed.run --nproc-per-node 1 scripts/gpu_grpo_steps.py \
+            --steps 3 --lora-rank 16 --model-dir "$out/model" "${size[@]}"
+        summary+=("$(grep -E "^(step |summary)" "$out/lora.log" | sed 's/^/  /')")
+        ;;
     *)
-        note "unknown part $part (tests, bench, grpo)"
+        note "unknown part $part (tests, bench, grpo, lora)"
         ;;
     esac
 done

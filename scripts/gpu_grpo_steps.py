@@ -7,7 +7,9 @@ token (the trick of scripts/bench_generate.py); prompts are random token ids; th
 the share of even token ids in the response (cheap, and it varies within a group, so every
 advantage is not 0). Per step: actor.generate (the hybrid engine), the reference's log-probs
 (a frozen model: bf16 storage on a GPU), the KL to it, GRPO advantages, actor.update (one
-optimizer step, on-policy: the update's own log-probs are the old ones). After each phase every
+optimizer step, on-policy: the update's own log-probs are the old ones, weighted against the
+engine's by truncated importance sampling, with the gap between the two printed; --lora-rank:
+LoRA adapters instead of full fine-tuning). After each phase every
 rank reports its peak memory in it (torch.cuda.max_memory_allocated; on CPU the process's
 peak RSS, which only grows) and the memory reserved by the caching allocator.
 
@@ -17,6 +19,7 @@ peak RSS, which only grows) and the memory reserved by the caching allocator.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import resource
@@ -29,6 +32,7 @@ import hflow
 from hflow import algos
 from hflow.batch import Batch
 from hflow.dispatch import dispatch
+from hflow.lora import LoRAConfig
 from hflow.workers import Actor, ActorConfig, OptimConfig, Reference, RolloutConfig
 from hflow.workers.fsdp import FSDPConfig
 
@@ -77,17 +81,22 @@ def make_model_dir(shape: str, eos_prob: float, path: str) -> None:
 
 
 def grpo_loss(logp, mb, entropy=None):
-    return algos.policy_loss(logp, mb["old_log_probs"], mb["advantages"], mb["response_mask"])
+    """On-policy (the update's own log-probs are the old ones), truncated importance weights
+    against the engine's: the bf16 engine/trainer gap is measured (mismatch/*) and corrected."""
+    weights, corrected = algos.RolloutCorrection("tis")(mb)
+    loss, metrics = algos.policy_loss(logp, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
+                                      is_weights=weights)
+    return loss, metrics | corrected
 
 
 def main(cluster, args):
     print(f"{cluster.world_size} rank(s) on {cluster.device_type}; model {args.shape}, {args.dtype}; "
           f"{args.prompts} prompts x n={args.samples}, <= {args.max_tokens} new tokens", flush=True)
     cfg = ActorConfig(model_path=args.model_dir, optim=OptimConfig(lr=1e-6), micro_batch_size=args.micro_batch,
-                      fsdp=FSDPConfig(param_dtype=args.dtype))
+                      fsdp=FSDPConfig(param_dtype=args.dtype), lora=LoRAConfig(rank=args.lora_rank))
     t = time.perf_counter()
     actor = cluster.spawn(ProbedActor, cfg)
-    ref = cluster.spawn(ProbedReference, cfg)
+    ref = cluster.spawn(ProbedReference, dataclasses.replace(cfg, lora=LoRAConfig()))
     print(f"actor and reference built in {time.perf_counter() - t:.1f} s; memory per rank "
           f"(peak GiB): {[round(m['peak'], 2) for m in actor.memory()]}", flush=True)
     vocab = SHAPES[args.shape][5]
@@ -111,9 +120,8 @@ def main(cluster, args):
         batch = phase("generate", lambda: actor.generate(prompts, rollout))
         mask = batch["response_mask"]
         batch = batch | phase("ref_log_probs", lambda: ref.log_probs(batch, 1.0))
-        batch["old_log_probs"] = batch["rollout_log_probs"]
         scores = ((batch["responses"] % 2 == 0) * mask).sum(1) / mask.sum(1).clamp(min=1)
-        kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask
+        kl = algos.kl_penalty(batch["rollout_log_probs"], batch["ref_log_probs"], "k1") * mask
         rewards = algos.scores_to_token_rewards(scores, mask) - 0.001 * kl
         batch["advantages"] = algos.grpo_advantages(rewards.sum(1), torch.arange(len(batch)) // args.samples, mask)
         metrics = phase("update", lambda: actor.update(batch, grpo_loss)[0])
@@ -122,7 +130,10 @@ def main(cluster, args):
         rows.append((times, peaks, tokens))
         print(f"step {step}: " + ", ".join(f"{k} {v:.2f} s (peak {peaks[k]:.2f} GiB)" for k, v in times.items())
               + f"; {tokens} response tokens ({tokens / step_s:.0f} tok/s), mean length {tokens / len(batch):.0f}, "
-              f"grad norm {metrics['actor/grad_norm']:.3g}", flush=True)
+              f"grad norm {metrics['actor/grad_norm']:.3g}; engine vs trainer |d log p| mean "
+              f"{metrics['actor/mismatch/abs_log_ratio_mean']:.2e} max {metrics['actor/mismatch/abs_log_ratio_max']:.2e}, "
+              f"IS weight {metrics['actor/mismatch/is_weight_mean']:.4f} "
+              f"({metrics['actor/mismatch/capped_fraction']:.1%} capped)", flush=True)
     if len(rows) > 1:  # the first step pays for start-up (allocator, kernels)
         rows = rows[1:]
     mean = {k: sum(r[0][k] for r in rows) / len(rows) for k in rows[0][0]}
@@ -142,6 +153,7 @@ def parse(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256, help="longest prompt (the shortest is half)")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--eos-prob", type=float, default=0.004, help="per-token EOS probability (mean length ~1/p)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on the actor (0: full fine-tuning)")
     ap.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward on a rank")
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     ap.add_argument("--model-dir", default="", help="where to save the random model (default: a temporary directory)")
