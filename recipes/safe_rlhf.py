@@ -111,8 +111,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=lambda: RewardConfig(model="default"))
     cost: CostConfig = field(default_factory=CostConfig)
+    # the embedded default at half the other recipes' lr: at 1e-4 the steps that learn to refuse
+    # also cost allowed answers (0.875 -> 0.819 +- 0.076 over 3 seeds); at 5e-5 they gain (0.913 +- 0.009)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(
-        optim=OptimConfig(lr=by_model(1e-4, 1e-6)), max_tokens_per_micro_batch=8192))
+        optim=OptimConfig(lr=by_model(5e-5, 1e-6)), max_tokens_per_micro_batch=8192))
     critic: CriticConfig = field(default_factory=lambda: CriticConfig(
         optim=OptimConfig(lr=by_model(2e-3, 1e-5)), max_tokens_per_micro_batch=8192))
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4, max_tokens=by_model(5, 512)))
