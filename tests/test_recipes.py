@@ -35,9 +35,10 @@ def without_timing(row: dict) -> dict:
 @pytest.mark.dist
 def test_ppo_split_placement_on_4_ranks_logs_every_metric_and_exports(tiny_model, tmp_path):
     out = tmp_path / "ppo"
-    torchrun(str(RECIPES / "ppo.py"), 4, small_run(tiny_model, out, 2, "--trainer.placement", "split",
-                                                   "--algo.critic-warmup", 0),
-             timeout=400).check()
+    run = torchrun(str(RECIPES / "ppo.py"), 4, small_run(tiny_model, out, 2, "--trainer.placement", "split",
+                                                         "--algo.critic-warmup", 0),
+                   timeout=400).check()
+    assert "returned a view tensor" not in run.output   # FSDP2's warning of the critic's output (issue 27.5)
     logged = rows(out)
     assert [r["step"] for r in logged] == [0, 1, 2]
     assert "eval/reward_mean" in logged[0] and "eval/reward_mean" in logged[-1]

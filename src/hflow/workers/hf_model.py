@@ -66,11 +66,19 @@ def build_model(path: str, mesh: DeviceMesh, cfg: FSDPConfig, kind: str = "causa
                     allow_missing=lambda n: (new_head and n.startswith("score.")) or (adapters and is_adapter(n)))
     if new_head:
         _init_head(model.score, config.initializer_range, head_init_seed)
+    if kind == "value":
+        # a Linear on [1, T, H] returns its [T, 1] product viewed as [1, T, 1]; FSDP2 warns of any
+        # view the root returns (an in-place op on it would skip a hook), so the values are a copy
+        model.score.register_forward_hook(_not_a_view)
     if adapters:
         init_adapters(model, head_init_seed, local_slices)
     if not trainable:
         model.eval()
     return model
+
+
+def _not_a_view(module, args, output: torch.Tensor) -> torch.Tensor:
+    return output.clone() if output._is_view() else output
 
 
 def without_dropout(config) -> None:
