@@ -137,8 +137,8 @@ def test_grpo_with_lora_resumes_exactly_from_adapter_checkpoints_and_exports_bot
     torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, straight, 4, *lora), timeout=400).check()
     torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, resumed, 2, "--trainer.save-every", 2,
                                                     "--trainer.no-export", *lora), timeout=400).check()
-    torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, resumed, 4, "--trainer.resume", *lora),
-             timeout=400).check()
+    torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, resumed, 4, "--trainer.resume",
+                                                    "--trainer.save-every", 2, *lora), timeout=400).check()
     a, b = rows(straight), rows(resumed)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     for x, y in zip(a, b):
@@ -153,6 +153,39 @@ def test_grpo_with_lora_resumes_exactly_from_adapter_checkpoints_and_exports_bot
     assert ckpt_bytes < model_bytes, (ckpt_bytes, model_bytes)
     assert (straight / "actor_hf" / "config.json").exists()
     assert (straight / "actor_hf_lora" / "adapter_config.json").exists()
+    # any step's checkpoint converts to the same model as the export (the last step here)
+    from hflow.checkpoint.to_hf import main as to_hf
+    with pytest.raises(SystemExit, match="holds LoRA adapters .rank 4.: give --lora-alpha"):
+        to_hf([str(resumed / "checkpoints" / "step_4"), "--model", str(tiny_model), "--out", str(tmp_path / "x")])
+    to_hf([str(resumed / "checkpoints" / "step_4"), "--model", str(tiny_model), "--out", str(tmp_path / "step4"),
+           "--lora-alpha", "8"])
+    assert_same_weights(tmp_path / "step4", resumed / "actor_hf")
+    assert (tmp_path / "step4_lora" / "adapter_model.safetensors").exists()
+
+
+def assert_same_weights(a, b):
+    from safetensors.torch import load_file
+    x, y = (load_file(Path(d) / "model.safetensors") for d in (a, b))
+    assert set(x) == set(y)
+    for name in x:
+        torch.testing.assert_close(x[name], y[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.dist
+def test_a_checkpoint_converts_to_the_model_the_run_exports(tiny_model, tmp_path):
+    out = tmp_path / "grpo"
+    torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 2, "--trainer.save-every", 2),
+             timeout=400).check()
+    from hflow.checkpoint.to_hf import main as to_hf
+    to_hf([str(out / "checkpoints" / "step_2"), "--model", str(tiny_model), "--out", str(tmp_path / "step2")])
+    assert_same_weights(tmp_path / "step2", out / "actor_hf")
+    with pytest.raises(SystemExit, match="no 'reward' checkpoint in it .roles: actor."):
+        to_hf([str(out / "checkpoints" / "step_2"), "--model", str(tiny_model), "--out", str(tmp_path / "x"),
+               "--role", "reward"])
+    damaged = out / "checkpoints" / "step_2" / "actor" / "__0_0.distcp"
+    damaged.write_bytes(damaged.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(SystemExit, match="does not match its manifest: actor/__0_0.distcp has changed bytes"):
+        to_hf([str(out / "checkpoints" / "step_2"), "--model", str(tiny_model), "--out", str(tmp_path / "x")])
 
 
 @pytest.mark.dist
