@@ -285,3 +285,31 @@ def test_pool_loads_slow_modules_outside_the_item_timeout_and_reports_unloadable
         assert result.scores == [0.0, 0.0] and result.metrics["reward/errors"] == 2.0
         assert "cannot load the score function" in result.failures[0]
         assert time.monotonic() - t < 60
+
+
+@pytest.mark.timeout(120)  # a pool that hangs must fail here, not stall the suite
+def test_a_started_pool_has_loaded_the_function_before_the_first_batch(tmp_path, monkeypatch, capsys):
+    """Workers start and import the scorer's module before any batch (issue 27.6): the first
+    batch then scores within a timeout shorter than the import; an unloadable one is dropped."""
+    (tmp_path / "slow_import_scorer.py").write_text(
+        "import time\ntime.sleep(1.5)  # an import as slow as torch's\n"
+        "def score(response, ground_truth, **extra):\n    return float(response == ground_truth)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get_reward_fn("slow_import_scorer:score")
+    with RewardPool(num_workers=2, start_method="spawn") as pool:
+        assert pool.start(fn) == 2
+        t = time.monotonic()
+        result = pool.score(fn, ["1", "2"], ["1", "0"], timeout=5.0)
+        assert result.scores == [1.0, 0.0] and time.monotonic() - t < 1.5   # no import on the way
+        assert pool.start(lambda r, g: 1.0) == 0   # does not pickle: score() says what to change
+    from hflow.rewards.pool import default_workers
+    assert 1 <= default_workers() <= 4 and RewardPool(0).num_workers == default_workers()
+    scorer = Scorer(RewardConfig(fn="slow_import_scorer:score", num_workers=1))
+    try:
+        scorer.start()
+        assert scorer(["1"], ["1"]).scores == [1.0]   # waits for the start, then scores
+        out = capsys.readouterr().out
+        assert "starting 1 reward worker processes for slow_import_scorer:score" in out
+        assert "1 of 1 reward workers ready in" in out
+    finally:
+        scorer.close()

@@ -44,6 +44,7 @@ class Rewards:
 
     def __init__(self, cluster, cfg: RewardConfig, tokenizer, model_dir: str | None = None, ranks=None):
         self.cfg, self.tokenizer, self.rule = cfg, tokenizer, Scorer(cfg)
+        self.rule.start()   # its worker processes load the function while the models build
         self.model = None
         self.equal_batches = 0   # batches so far whose responses all scored alike (the first few only)
         self.failed_batches = 0  # batches in a row in which every response's scoring failed

@@ -62,7 +62,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "shard_size": _at_least(0, "ranks a parameter is sharded over; 0: auto, 1: replicated"),
     "max_num_seqs": _at_least(1, "sequences the engine runs at once"),
     "block_size": _at_least(1, "tokens per KV-cache block"),
-    "num_workers": _at_least(1, "reward worker processes"),
+    "num_workers": _at_least(0, "reward worker processes (0: one per core, at most 4)"),
     "max_failed_batches": _at_least(0, "batches in a row whose scoring all failed before the run stops; 0: never"),
     "max_tokens": _at_least(1, "new tokens per response"),
     "max_prompt_length": _at_least(1, "prompt tokens"),

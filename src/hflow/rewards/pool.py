@@ -137,6 +137,12 @@ class _Worker:
 _LOAD = -1  # the job of a worker that is loading the score function, not scoring an item
 
 
+def default_workers() -> int:
+    """One worker per CPU core this process may use, at most 4: more than the cores only queue."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cores))
+
+
 def _default_start_method() -> str:
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
@@ -148,9 +154,9 @@ class RewardPool:
 
     def __init__(self, num_workers: int = 4, start_method: Optional[str] = None,
                  load_timeout: float = 120.0):
-        if num_workers < 1:
-            raise ValueError(f"--reward.num-workers must be >= 1, got {num_workers}")
-        self.num_workers = num_workers
+        if num_workers < 0:
+            raise ValueError(f"--reward.num-workers must be >= 0, got {num_workers}")
+        self.num_workers = num_workers or default_workers()
         self.load_timeout = load_timeout  # importing a scorer's module (torch, sympy) is slow, once
         self._ctx = mp.get_context(start_method or _default_start_method())
         self._idle: list[_Worker] = []
@@ -237,6 +243,32 @@ class RewardPool:
         finally:
             for worker in busy:  # interrupted (e.g. Ctrl-C): their results would arrive late
                 worker.kill()
+
+    def start(self, fn: Callable) -> int:
+        """Start the workers and load `fn` in each now (a fresh worker imports the function's
+        module: seconds, more on a busy machine), so that the first batch scores at full speed.
+        Returns how many workers loaded it; one that failed is dropped, and scoring then says why."""
+        try:
+            fn_bytes = pickle.dumps(fn)
+        except Exception:   # score() raises the error that says what to change
+            return 0
+        with self._lock:
+            starting = [_Worker(self._ctx) for _ in range(self.num_workers - len(self._idle))]
+            for worker in starting:
+                worker.conn.send(("load", fn_bytes))
+            deadline = time.monotonic() + self.load_timeout
+            for worker in starting:
+                try:
+                    loaded = worker.conn.poll(max(0.0, deadline - time.monotonic())) and \
+                        worker.conn.recv()[0] == "loaded"
+                except (EOFError, OSError):
+                    loaded = False
+                if loaded:
+                    worker.loaded = fn_bytes
+                    self._idle.append(worker)
+                else:
+                    worker.kill()
+            return sum(w.loaded == fn_bytes for w in self._idle)
 
     def close(self):
         with self._lock:

@@ -1,4 +1,6 @@
 """RewardConfig (--reward.* flags) and Scorer: the rule a run scores its responses by."""
+import threading
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -22,8 +24,8 @@ class RewardConfig:
     """w: the training score is w * rm, or rule + w * rm when --reward.fn is given too."""
     model_max_tokens_per_micro_batch: int = 8192
     """Token budget of one reward-model forward on one rank."""
-    num_workers: int = 4
-    """Worker processes that score responses (user functions and the math scorer run there)."""
+    num_workers: int = 0
+    """Worker processes that score responses (user functions and the math scorer run there); 0: one per CPU core, at most 4. They start, and load the function, before the first step."""
     timeout: float = 10.0
     """Seconds one response may take to score; a slower one scores 0 and its worker is replaced."""
     inline: Optional[bool] = None
@@ -43,9 +45,29 @@ class Scorer:
             print(f"hflow: code sandbox: {sandbox_isolation()}", flush=True)
         self._pool: Optional[RewardPool] = None
 
+    @property
+    def inline(self) -> bool:
+        return self.cfg.inline if self.cfg.inline is not None else getattr(self.fn, "inline_safe", False)
+
+    def start(self) -> None:
+        """Start the worker processes (unless the rule scores inline) in the background, each
+        loading the function, and say so: while the models build, not in the first step's time."""
+        if self.inline or self._pool is not None:
+            return
+        self._pool = RewardPool(self.cfg.num_workers)
+        name = self.cfg.fn or DEFAULT_RULE
+        print(f"hflow: starting {self._pool.num_workers} reward worker processes for {name} "
+              f"(--reward.num-workers)", flush=True)
+
+        def load(pool=self._pool, began=time.monotonic()):
+            loaded = pool.start(self.fn)
+            print(f"hflow: {loaded} of {pool.num_workers} reward workers ready in "
+                  f"{time.monotonic() - began:.0f} s", flush=True)
+        threading.Thread(target=load, daemon=True, name="hflow-reward-start").start()
+
     def __call__(self, responses: Sequence[str], ground_truths: Sequence,
                  extras: Optional[Sequence[dict]] = None) -> ScoredBatch:
-        inline = self.cfg.inline if self.cfg.inline is not None else getattr(self.fn, "inline_safe", False)
+        inline = self.inline
         if not inline and self._pool is None:
             self._pool = RewardPool(self.cfg.num_workers)
         return score_batch(self.fn, responses, ground_truths, extras, timeout=self.cfg.timeout,
