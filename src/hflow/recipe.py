@@ -74,8 +74,11 @@ class Setup:
         cfg = self.cfg
         evaluate_fn = evaluate_fn or functools.partial(evaluate, actor, self.val, self.tokenizer, rule,
                                                        cfg.rollout, cfg.trainer.eval_size)
+        placement = ", ".join(f"{role} {ranks}" for role, ranks in self.placement.items())
+        about = (f"{len(self.train)} training prompts, {cfg.data.batch_size} x {cfg.rollout.n} samples a step; "
+                 f"policy {self.model_dir}; placement: {placement}")
         return Run(cfg.trainer, trained=trained, state={"data": self.sampler, **(state or {})},
-                   evaluate=evaluate_fn, export=(actor, self.model_dir))
+                   evaluate=evaluate_fn, export=(actor, self.model_dir), about=about)
 
     def scorer_dir(self, cluster, value: str, kind: str, flag: str) -> str | None:
         """The directory a --reward.model / --cost.model value names: `default` is the embedded

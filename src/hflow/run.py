@@ -18,6 +18,7 @@ controller), saved with every checkpoint and restored on resume together with th
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -32,9 +33,11 @@ class RunStopped(UserError):
 
 class Run:
     def __init__(self, trainer, trained: dict, state: dict | None = None,
-                 evaluate: Callable[[], dict] | None = None, export: tuple | None = None):
+                 evaluate: Callable[[], dict] | None = None, export: tuple | None = None, about: str = ""):
         self.cfg, self.trained, self.state = trainer, trained, state or {}
         self.evaluate, self.export = evaluate, export
+        self.evaluations: list[dict] = []   # every evaluation's metrics, for the final line
+        self.began = time.monotonic()
         self.root = Path(trainer.output_dir) / "checkpoints"
         self.start_step, resumed = 0, False
         if trainer.resume and (extra := checkpoint.resume_run(self.root, trained)):
@@ -44,18 +47,32 @@ class Run:
                 obj.load_state_dict(extra[name])
             changed = "".join(f"; {role}'s {name} {old} -> {new}" for role, settings in extra["changed_settings"].items()
                               for name, (old, new) in settings.items())
-            print(f"hflow: resumed from step {self.start_step} ({self.root / f'step_{self.start_step}'}): "
-                  f"steps {self.start_step + 1}..{trainer.steps} to go"
+            print(f"hflow: resumed from step {self.start_step} ({self.root / f'step_{self.start_step}'})"
                   + (f" (this run's flags replace the checkpoint's{changed})" if changed else ""), flush=True)
         self.skipped, self.saved_step = 0, self.start_step
         self.logger = MetricsLogger(trainer.output_dir, trainer.logging, trainer.steps,
                                     resume_step=self.start_step if resumed else None)
+        print(self.header(about), flush=True)
+
+    def header(self, about: str = "") -> str:
+        """What the run is about to do, in one line: steps, the evaluation and checkpoint
+        cadence, where its output goes (and `about`: the recipe's data and placement)."""
+        cfg = self.cfg
+        if self.start_step >= cfg.steps:
+            todo = f"already at step {self.start_step} of {cfg.steps}: nothing to do (raise --trainer.steps to go on)"
+        else:
+            todo = f"steps {self.start_step + 1}..{cfg.steps}"
+        evaluation = ("no held-out evaluation" if not self.evaluate or not cfg.eval_size else
+                      f"held-out evaluation on {cfg.eval_size} prompts " +
+                      (f"every {cfg.eval_every} steps and at the end" if cfg.eval_every else "at the start and the end"))
+        saves = f"a checkpoint every {cfg.save_every} steps" if cfg.save_every else "no checkpoints (--trainer.save-every)"
+        return (f"hflow: {todo}; {evaluation}; {saves}; output in {cfg.output_dir}" + (f"; {about}" if about else ""))
 
     def steps(self) -> Iterator[int]:
         """1 .. --trainer.steps, after the resumed step; a fresh run first logs step 0's evaluation."""
         self._stop_if_asked(None)
         if self.start_step == 0 and self.evaluate:
-            self.logger.log(0, self.evaluate())
+            self.logger.log(0, self._evaluate())
         for step in range(self.start_step + 1, self.cfg.steps + 1):
             self._stop_if_asked(step - 1)
             yield step
@@ -65,7 +82,7 @@ class Run:
         """Evaluate every --trainer.eval-every steps and at the last, log, checkpoint every
         --trainer.save-every steps."""
         if self.evaluate and (self.cfg.eval_every and step % self.cfg.eval_every == 0 or step == self.cfg.steps):
-            metrics |= self.evaluate()
+            metrics |= self._evaluate()
         self.logger.log(step, metrics)
         self.skipped += int(sum(v for k, v in metrics.items() if k.endswith("/skipped_steps")))
         if self.skipped > self.cfg.max_skipped_steps:
@@ -76,6 +93,12 @@ class Run:
                              f"the rewards or data, or raise the limit")
         if self.cfg.save_every and step % self.cfg.save_every == 0:
             self._save(step)
+
+    def _evaluate(self) -> dict:
+        metrics = self.evaluate()
+        if metrics:
+            self.evaluations.append(metrics)
+        return metrics
 
     def _save(self, step: int) -> None:
         extra = {name: obj.state_dict() for name, obj in self.state.items()}
@@ -103,7 +126,20 @@ class Run:
 
     def finish(self) -> None:
         """Export the policy (`export` = (worker group, tokenizer directory)) to output_dir/actor_hf."""
+        exported = ""
         if self.cfg.export and self.export:
             group, tokenizer_dir = self.export
             group.export_hf(f"{self.cfg.output_dir}/actor_hf", tokenizer_dir)
+            exported = f"; exported to {self.cfg.output_dir}/actor_hf"
         self.logger.close()
+        print(f"hflow: done: step {self.cfg.steps} of {self.cfg.steps} in {time.monotonic() - self.began:.0f} s"
+              f"{self._evaluated()}{exported}; metrics in {self.cfg.output_dir}/metrics.jsonl", flush=True)
+
+    def _evaluated(self) -> str:
+        """`; held-out <key> first -> last` for the evaluation's first metric (the recipe's headline)."""
+        if not self.evaluations:
+            return ""
+        key = next(iter(self.evaluations[-1]))
+        values = [e[key] for e in self.evaluations if key in e]
+        trend = " -> ".join(f"{v:.3f}" for v in (values[0], values[-1])) if len(values) > 1 else f"{values[-1]:.3f}"
+        return f"; held-out {key} {trend} (this run's evaluations)"
