@@ -50,8 +50,9 @@ def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float
         train, val = load_prompts(data, tokenizer, "train"), load_prompts(data, tokenizer, "val")
         optim = dataclasses.replace(ActorConfig().optim, lr=1e-3, warmup_steps=100, grad_clip=0.0)
         actor = cluster.spawn(Actor, ActorConfig(model_path=str(base), optim=optim, micro_batch_size=128))
-        print(f"warming up the embedded default model ({base.name}) until held-out accuracy {stop_at}"
-              f" (once; cached in {final})", flush=True)
+        print(f"warming up the embedded default model ({base.name}) until held-out accuracy {stop_at}, "
+              f"supervised: RL learns next to nothing from a policy that is never right (once, typically "
+              f"500-650 steps, a few minutes; cached in {final})", flush=True)
         rule = Scorer(RewardConfig(fn="arithmetic"))
         # supervised on prompt -> answer, checked every 25 steps on 200 held-out prompts (greedy)
         sampler = PromptSampler(train, 128, shuffle=True, seed=seed)
@@ -62,13 +63,16 @@ def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float
             sampler.load_state_dict(state["data"])
             reward, first = state["reward"], state["step"] + 1
             print(f"continuing the interrupted warm-up from sft step {state['step']} ({partial})", flush=True)
-        bar = progress(total=max_steps - first + 1, desc="sft")
+        # no total: the warm-up ends when the accuracy is reached, not at max_steps (its bound)
+        bar = progress(desc=f"sft (to held-out accuracy {stop_at})", unit="step")
+        bar.update(first - 1)
         for step in range(first, max_steps + 1):
             metrics = actor.update(supervised_batch(next(sampler), tokenizer), nll_loss)[0]
             bar.update(1)
             if step % 25 == 0 or step == max_steps:
                 reward = evaluate(actor, val, tokenizer, rule, rollout, 200, sampled=False).get("eval/reward_mean", reward)
                 print(f"sft step {step}: loss {metrics['actor/loss']:.4f}, held-out greedy reward {reward:.3f}")
+                bar.set_postfix_str(f"held-out {reward:.3f} of {stop_at}")
                 if reward >= stop_at:
                     break
             if (signum := stopping.requested()) is not None:
