@@ -238,7 +238,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
     # held-out evaluation runs the tools too: a single-turn answer would not show what was learned
     evaluate = functools.partial(evaluate_with_tools, actor, setup.val, setup.tokenizer, rewards.rule, cfg, limits)
-    run = setup.run(actor, rewards.rule, trained={"actor": actor}, evaluate_fn=evaluate)
+    run = setup.run(actor, rewards, trained={"actor": actor}, evaluate_fn=evaluate)
     old = setup.old_log_probs(kl_in_reward=ref is not None and algo.kl_in_reward)
     loss_fn = functools.partial(agent_loss, algo=algo, correction=old.correction)
     estimator = algos.estimator(algo.estimator)

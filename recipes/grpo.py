@@ -199,7 +199,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
-    run = setup.run(actor, rewards.rule, trained={"actor": actor})
+    run = setup.run(actor, rewards, trained={"actor": actor})
     # a KL in the reward needs the sampling policy's log-probs before the update
     old = setup.old_log_probs(kl_in_reward=ref is not None and algo.kl_in_reward)
     loss_fn = functools.partial(grpo_loss, algo=algo, correction=old.correction)

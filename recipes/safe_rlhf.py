@@ -160,7 +160,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     task = safety if not cfg.data.train_files and cfg.data.task == "arithmetic" else None
     evaluate_fn = functools.partial(evaluate, actor, setup.val, tokenizer, rewards.rule, cfg.rollout,
                                     cfg.trainer.eval_size, sampled=False, task_metrics=task and task.rule_metrics)
-    run = setup.run(actor, rewards.rule, trained={"actor": actor, "critic": reward_critic, "cost_critic": cost_critic},
+    run = setup.run(actor, rewards, trained={"actor": actor, "critic": reward_critic, "cost_critic": cost_critic},
                     state={"lambda": multiplier}, evaluate_fn=evaluate_fn)
     old = setup.old_log_probs(kl_in_reward=ref is not None)
 

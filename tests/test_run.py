@@ -34,3 +34,18 @@ def test_a_run_says_what_it_will_do_and_what_it_did(tmp_path, capsys):
     assert "hflow: done: step 3 of 3 in " in out and "held-out eval/reward_mean 0.250 -> 0.750" in out
     # the three evaluations: step 0, step 2 and the last
     assert [line.count("eval/") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 0, 1, 1]
+
+
+def test_a_few_samples_are_shown_at_the_first_step_and_every_n(tmp_path, capsys):
+    """Prompts, responses and scores on the console and in samples.jsonl (issue 27.3)."""
+    import json
+    cfg = TrainerConfig(steps=5, output_dir=str(tmp_path), logging=LoggingConfig(progress_bars=False, samples_every=2))
+    rows = [{"prompt": "12+3=", "response": "15", "score": 1.0}, {"prompt": "x" * 200, "response": "", "score": 0.0}]
+    run = Run(cfg, trained={}, samples=lambda: rows)
+    for step in run.steps():
+        run.end_step(step, {"reward/mean": 0.5})
+    out = capsys.readouterr().out
+    assert out.count("samples (prompt -> response: score)") == 3   # steps 1, 2 and 4
+    assert "'12+3=' -> '15': 1" in out and "x" * 117 + "...' -> ''" in out   # long prompts clipped on the console
+    saved = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in saved] == [1, 1, 2, 2, 4, 4] and saved[1]["prompt"] == "x" * 200

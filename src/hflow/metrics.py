@@ -54,6 +54,8 @@ class LoggingConfig:
     """metrics shown on each step's console line, when present"""
     progress_bars: bool = True
     """show progress bars for long phases (generation, update)"""
+    samples_every: int = 50
+    """print a few of the step's prompts, responses and scores, and add them to <output_dir>/samples.jsonl, at the first step and every this many steps (0: never)"""
 
 
 def to_float(value) -> float:

@@ -4,7 +4,7 @@
     setup = set_up(cluster, cfg, sets, algo="ppo", default=EMBEDDED)    # every input checked, then the warm-up
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=setup.placement["actor"])
     rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, setup.placement.get("reward"))
-    run = setup.run(actor, rewards.rule, trained={"actor": actor})
+    run = setup.run(actor, rewards, trained={"actor": actor})
     old = setup.old_log_probs(kl_in_reward=True)
     for step in run.steps():
         batch = actor.generate(prompt_batch(next(setup.sampler)), rollout)
@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,18 +68,20 @@ class Setup:
         """--actor.* on the policy: what the Actor and the Reference are spawned with."""
         return dataclasses.replace(self.cfg.actor, model_path=self.model_dir)
 
-    def run(self, actor, rule, trained: dict, state: dict | None = None, evaluate_fn=None) -> Run:
+    def run(self, actor, rewards, trained: dict, state: dict | None = None, evaluate_fn=None) -> Run:
         """The run's bookkeeping (hflow.run.Run): `trained` and the data position (beside
         `state`) in every checkpoint; held-out evaluation of `actor` (greedy and sampled,
-        scored by `rule`) unless `evaluate_fn` replaces it; the final export of `actor`."""
+        scored by `rewards.rule`) unless `evaluate_fn` replaces it; a few of `rewards`' latest
+        samples shown every --trainer.logging.samples-every steps; the final export of `actor`."""
         cfg = self.cfg
-        evaluate_fn = evaluate_fn or functools.partial(evaluate, actor, self.val, self.tokenizer, rule,
+        evaluate_fn = evaluate_fn or functools.partial(evaluate, actor, self.val, self.tokenizer, rewards.rule,
                                                        cfg.rollout, cfg.trainer.eval_size)
         placement = ", ".join(f"{role} {ranks}" for role, ranks in self.placement.items())
         about = (f"{len(self.train)} training prompts, {cfg.data.batch_size} x {cfg.rollout.n} samples a step; "
                  f"policy {self.model_dir}; placement: {placement}")
         return Run(cfg.trainer, trained=trained, state={"data": self.sampler, **(state or {})},
-                   evaluate=evaluate_fn, export=(actor, self.model_dir), about=about)
+                   evaluate=evaluate_fn, export=(actor, self.model_dir), about=about,
+                   samples=lambda: rewards.samples)
 
     def scorer_dir(self, cluster, value: str, kind: str, flag: str) -> str | None:
         """The directory a --reward.model / --cost.model value names: `default` is the embedded
@@ -101,6 +104,9 @@ def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm
     (once, cached) unless `warm_up` is False, and train the default reward model if the run
     asks for one. `algo` names the dataflow for --trainer.placement auto."""
     model = cfg.model
+    if not cfg.trainer.logging.progress_bars:   # one switch for every bar: the phases' and the engine's
+        os.environ["HFLOW_PROGRESS"] = "0"
+        cfg.rollout.progress = False
     found = scorer_flag_problems(cfg.reward.model, "--reward.model", "reward", model, default)
     if found:
         raise ConfigError("\n".join(found))

@@ -18,6 +18,7 @@ controller), saved with every checkpoint and restored on resume together with th
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -33,9 +34,10 @@ class RunStopped(UserError):
 
 class Run:
     def __init__(self, trainer, trained: dict, state: dict | None = None,
-                 evaluate: Callable[[], dict] | None = None, export: tuple | None = None, about: str = ""):
+                 evaluate: Callable[[], dict] | None = None, export: tuple | None = None, about: str = "",
+                 samples: Callable[[], list[dict]] | None = None):
         self.cfg, self.trained, self.state = trainer, trained, state or {}
-        self.evaluate, self.export = evaluate, export
+        self.evaluate, self.export, self.samples = evaluate, export, samples
         self.evaluations: list[dict] = []   # every evaluation's metrics, for the final line
         self.began = time.monotonic()
         self.root = Path(trainer.output_dir) / "checkpoints"
@@ -84,6 +86,9 @@ class Run:
         if self.evaluate and (self.cfg.eval_every and step % self.cfg.eval_every == 0 or step == self.cfg.steps):
             metrics |= self._evaluate()
         self.logger.log(step, metrics)
+        every = self.cfg.logging.samples_every
+        if self.samples and every and (step == self.start_step + 1 or step % every == 0):
+            self._show_samples(step, self.samples())
         self.skipped += int(sum(v for k, v in metrics.items() if k.endswith("/skipped_steps")))
         if self.skipped > self.cfg.max_skipped_steps:
             self.logger.close()
@@ -93,6 +98,17 @@ class Run:
                              f"the rewards or data, or raise the limit")
         if self.cfg.save_every and step % self.cfg.save_every == 0:
             self._save(step)
+
+    def _show_samples(self, step: int, rows: list[dict]) -> None:
+        """A few of the step's (prompt, response, score) on the console and in samples.jsonl:
+        a prompt in a format the model does not know shows at the first step."""
+        if not rows:
+            return
+        clip = lambda text: text if len(text) <= 120 else text[:117] + "..."   # noqa: E731
+        print(f"hflow: step {step} samples (prompt -> response: score):\n" + "\n".join(
+            f"  {clip(r['prompt'])!r} -> {clip(r['response'])!r}: {r['score']:.3g}" for r in rows), flush=True)
+        with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": step, **r}) + "\n" for r in rows)
 
     def _evaluate(self) -> dict:
         metrics = self.evaluate()

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from hflow.batch import Batch
 from hflow.rewards import RewardConfig, ScoredBatch, Scorer
-from hflow.texts import response_texts
+from hflow.texts import prompt_texts, response_texts
 from hflow.validation import UserError
 from hflow.workers import RewardModel, RewardModelConfig
 
@@ -47,6 +47,7 @@ class Rewards:
         self.rule.start()   # its worker processes load the function while the models build
         self.model = None
         self.equal_batches = 0   # batches so far whose responses all scored alike (the first few only)
+        self.samples: list[dict] = []   # a few rows of the latest batch: prompt, response, score
         self.failed_batches = 0  # batches in a row in which every response's scoring failed
         if model_dir:
             rm_cfg = RewardModelConfig(model_path=str(model_dir), max_tokens_per_micro_batch=cfg.model_max_tokens_per_micro_batch)
@@ -59,6 +60,7 @@ class Rewards:
             if self.model else None
         rule, scored = score(batch, self.tokenizer, self.rule)
         metrics = scored.metrics
+        self.samples = self.sampled(batch, rule)
         if self.cfg.fn or pending is None:   # the rule is (part of) the training score
             self.stop_if_scoring_keeps_failing(scored)
         if pending is None:
@@ -67,10 +69,17 @@ class Rewards:
             return rule, metrics
         rm = pending.result()["rm_scores"]
         scores = self.cfg.model_weight * rm + (rule if self.cfg.fn else 0.0)
+        self.samples = self.sampled(batch, scores)
         self.warn_if_no_signal(scores)
         metrics["reward/rule_mean"] = metrics.pop("reward/mean")
         return scores, metrics | {"reward/mean": scores.mean().item(), "reward/rm_mean": rm.mean().item(),
                                   "reward/rm_std": rm.std().item() if len(rm) > 1 else 0.0}
+
+    def sampled(self, batch: Batch, scores: torch.Tensor, count: int = 3) -> list[dict]:
+        """The first `count` rows of a batch as text, with their training scores."""
+        rows = batch[:count] if len(batch) > count else batch
+        return [{"prompt": p, "response": r, "score": float(s)}
+                for p, r, s in zip(prompt_texts(rows, self.tokenizer), response_texts(rows, self.tokenizer), scores)]
 
     def stop_if_scoring_keeps_failing(self, scored: ScoredBatch) -> None:
         """Raise ScoringFailed once --reward.max-failed-batches batches in a row had every
@@ -96,11 +105,13 @@ class Rewards:
             return
         self.equal_batches += 1
         if self.equal_batches == first:
+            example = f" One of them: {self.samples[0]['prompt']!r} -> {self.samples[0]['response']!r}" \
+                if self.samples else ""
             print(f"hflow: warning: every response scored {scores[0].item():g} in each of the first {first} "
                   f"batches, so every advantage is 0 and GRPO/PPO learn nothing. Likely causes: prompts in a "
                   f"format the model does not know (the embedded default wants bare '27+82=' prompts, not a "
                   f"chat template: drop --data.chat), --rollout.max-tokens too short to finish an answer, or "
-                  f"a --data.answer-key column that is not the answer --reward.fn expects.", flush=True)
+                  f"a --data.answer-key column that is not the answer --reward.fn expects.{example}", flush=True)
 
     def close(self) -> None:
         self.rule.close()

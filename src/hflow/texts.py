@@ -25,6 +25,13 @@ def response_texts(batch: Batch, tokenizer) -> list[str]:
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
+def prompt_texts(batch: Batch, tokenizer) -> list[str]:
+    """The prompts of a rollout Batch as text (its input_ids before the responses, padding dropped)."""
+    start = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    ids = [row[:start][mask[:start].bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    return tokenizer.batch_decode(ids, skip_special_tokens=False)
+
+
 def supervised_batch(prompts: list[Prompt], tokenizer) -> Batch:
     """Prompt + its ground truth as the target completion (ending with EOS), in the layout the
     Actor trains on."""

@@ -13,8 +13,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from hflow import lora
+from hflow.metrics import progress_enabled
 
 
 def _rank(group) -> int:
@@ -93,6 +95,8 @@ def _save_pretrained(model, state_dict: dict, path: Path, tokenizer):
     if getattr(model, "generation_config", None) is not None:
         plain.generation_config = model.generation_config
     path.mkdir(parents=True, exist_ok=True)
+    if not progress_enabled():   # transformers' own "Writing model shards" bar follows hflow's switch
+        hf_logging.disable_progress_bar()
     plain.save_pretrained(path, safe_serialization=True)
     if tokenizer is not None:
         if isinstance(tokenizer, (str, os.PathLike)):
