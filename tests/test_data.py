@@ -148,6 +148,19 @@ def test_errors_name_the_flag_to_fix(tmp_path, tokenizer):
     assert "--data.answer-key" in error(train_files=[partly])
     assert "--data.prompt-key" in error(train_files=[write_jsonl(tmp_path / "n.jsonl", [{"question": 5, "answer": "1"}])])
     assert "--data.task" in error(task="sudoku")
+    # a broken line is named as an editor counts (line 1 first), not as a parser's row from 0
+    (tmp_path / "broken.jsonl").write_text('{"question": "q", "answer": "1"}\n\n{"question": "q" "answer": "2"}\n')
+    assert error(train_files=[str(tmp_path / "broken.jsonl")]) == (
+        f"--data.train-files: cannot read {tmp_path / 'broken.jsonl'}: line 3 is not JSON: "
+        f"Expecting ',' delimiter at column 18")
+    (tmp_path / "latin1.jsonl").write_bytes('{"question": "q", "answer": "1"}\n{"question": "caf\u00e9", "answer": "2"}\n'
+                                            .encode("latin-1"))
+    assert error(train_files=[str(tmp_path / "latin1.jsonl")]) == (
+        f"--data.train-files: cannot read {tmp_path / 'latin1.jsonl'}: line 2 is not UTF-8 (byte 0xe9 at "
+        f"column 18); save the file as UTF-8")
+    assert "row 2 of" in error(train_files=[partly])   # rows count from 1 too
+    from hflow.validation import UserError
+    assert issubclass(DataError, UserError)   # the run ends with the message alone, no traceback
 
 
 def test_prompts_without_answers(tmp_path, tokenizer):

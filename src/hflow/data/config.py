@@ -1,9 +1,12 @@
 """DataConfig: where prompts come from (``--data.*`` flags), and the error that names the flag."""
 from dataclasses import dataclass, field
 
+from hflow.validation import UserError
 
-class DataError(ValueError):
-    """Bad prompt data or data flags; the message names the flag to fix."""
+
+class DataError(UserError, ValueError):
+    """Bad prompt data or data flags; the message names the flag to fix (and the file and line),
+    so the run ends with it alone, no traceback."""
 
 
 def flag(name: str) -> str:

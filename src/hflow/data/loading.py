@@ -8,6 +8,7 @@ Tokenisation: a chat prompt is rendered with ``apply_chat_template(add_generatio
 and tokenised without adding special tokens (the template places them); a plain string prompt
 is tokenised as the tokenizer does by default (e.g. with a BOS token for Llama).
 """
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -79,7 +80,28 @@ def read_table(path: str, files_flag: str):
     except DataError:
         raise
     except Exception as e:  # datasets/pyarrow raise many kinds for a corrupt or foreign file
+        where = _first_bad_line(path) if os.path.isfile(path) else None
+        if where:
+            raise DataError(f"{files_flag}: cannot read {path}: {where}") from None
         raise DataError(f"{files_flag}: cannot read {path!r}: {type(e).__name__}: {e}") from e
+
+
+def _first_bad_line(path: str) -> str | None:
+    """Where a text file that failed to load goes wrong, counted as an editor counts (line 1
+    first): the first line that is not UTF-8, or (.jsonl) not one JSON value; None if none is."""
+    jsonl = path.lower().endswith(".jsonl")
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"line {number} is not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save the file as UTF-8"
+            if jsonl and line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as e:
+                    return f"line {number} is not JSON: {e.msg} at column {e.colno}"
+    return None
 
 
 def _pick_split(ds, path: str, files_flag: str):
@@ -105,31 +127,41 @@ def read_rows(files: Sequence[str], prompt_key: str, answer_key: str, files_flag
     """Rows ``{"prompt", "answer", "extra", "source"}`` from every file, in file order."""
     rows = []
     for path in files:
-        ds = read_table(path, files_flag)
-        columns = ds.column_names
-        answer_path = answer_key.split(".") if answer_key else []
-        answer_column = answer_path[0] if answer_path else None
-        if prompt_key not in columns:
-            raise DataError(f"{flag('prompt_key')}: column {prompt_key!r} is not in {path!r} "
-                            f"(columns: {', '.join(columns)})")
-        if answer_column is not None and answer_column not in columns:
-            raise DataError(f"{flag('answer_key')}: column {answer_column!r} is not in {path!r} "
-                            f"(columns: {', '.join(columns)}); --data.answer-key '' reads prompts without answers")
-        if len(ds) == 0:
-            raise DataError(f"{files_flag}: {path!r} holds no rows")
-        others = [c for c in columns if c not in (prompt_key, answer_column)]
-        prompts = ds[prompt_key]
-        answers = ds[answer_column] if answer_column else [None] * len(ds)
-        other_values = {c: ds[c] for c in others}
-        for i in range(len(ds)):
-            try:
-                answer = _nested(answers[i], answer_path[1:], answer_key)
-            except KeyError:
-                answer = None
-            if answer is None and answer_key:
-                raise DataError(f"{flag('answer_key')}: row {i} of {path!r} has no {answer_key!r} value")
-            rows.append({"prompt": prompts[i], "answer": answer,
-                         "extra": {c: other_values[c][i] for c in others}, "source": f"row {i} of {path!r}"})
+        try:
+            rows += _rows_of(path, prompt_key, answer_key, files_flag)
+        except UnicodeDecodeError:   # pyarrow keeps the bytes; they fail only once read as text
+            raise DataError(f"{files_flag}: cannot read {path}: {_first_bad_line(path) or 'not UTF-8'}") from None
+    return rows
+
+
+def _rows_of(path: str, prompt_key: str, answer_key: str, files_flag: str) -> list[dict]:
+    """One file's rows (see read_rows)."""
+    rows = []
+    ds = read_table(path, files_flag)
+    columns = ds.column_names
+    answer_path = answer_key.split(".") if answer_key else []
+    answer_column = answer_path[0] if answer_path else None
+    if prompt_key not in columns:
+        raise DataError(f"{flag('prompt_key')}: column {prompt_key!r} is not in {path!r} "
+                        f"(columns: {', '.join(columns)})")
+    if answer_column is not None and answer_column not in columns:
+        raise DataError(f"{flag('answer_key')}: column {answer_column!r} is not in {path!r} "
+                        f"(columns: {', '.join(columns)}); --data.answer-key '' reads prompts without answers")
+    if len(ds) == 0:
+        raise DataError(f"{files_flag}: {path!r} holds no rows")
+    others = [c for c in columns if c not in (prompt_key, answer_column)]
+    prompts = ds[prompt_key]
+    answers = ds[answer_column] if answer_column else [None] * len(ds)
+    other_values = {c: ds[c] for c in others}
+    for i in range(len(ds)):
+        try:
+            answer = _nested(answers[i], answer_path[1:], answer_key)
+        except KeyError:
+            answer = None
+        if answer is None and answer_key:
+            raise DataError(f"{flag('answer_key')}: row {i + 1} of {path!r} has no {answer_key!r} value")
+        rows.append({"prompt": prompts[i], "answer": answer,
+                     "extra": {c: other_values[c][i] for c in others}, "source": f"row {i + 1} of {path!r}"})
     return rows
 
 
