@@ -50,7 +50,7 @@ def parse_args(argv):
     plan.add_argument("--samples", type=int, default=1, help="responses a prompt")
     plan.add_argument("--prompt-len", type=int, default=1024)
     plan.add_argument("--response-len", type=int, default=1024)
-    plan.add_argument("--updates", type=int, default=8, help="optimizer steps a training stage (mini-batches x epochs)")
+    plan.add_argument("--updates", type=int, default=1, help="optimizer steps a training stage (mini-batches x epochs; the recipes' default: 1)")
     plan.add_argument("--top", type=int, default=5, help="other partitions listed besides colocate/split/standalone")
     plan.add_argument("--layouts", default="megatron", choices=["megatron", "hflow"],
                       help="the paper's (p, t, d), or hflow's FSDP2 + engine (what --trainer.placement auto prices)")
