@@ -71,6 +71,14 @@ def test_set_up_checks_every_input_before_the_warm_up(tiny):
     assert setup.actor_cfg.model_path == str(tiny) and len(setup.train) > len(setup.val) == 500
 
 
+def test_chat_prompts_to_the_embedded_default_are_warned_of(tiny, capsys):
+    set_up(StandInCluster(2), config(data=DataConfig(batch_size=4, chat=True)), [["actor"]], algo="grpo",
+           default=WarmUpRecorder(tiny))
+    assert "--data.chat wraps every prompt in the chat template, which the embedded default" in capsys.readouterr().out
+    set_up(StandInCluster(2), config(), [["actor"]], algo="grpo", default=WarmUpRecorder(tiny))
+    assert "--data.chat" not in capsys.readouterr().out
+
+
 def test_set_up_needs_a_model_when_the_recipe_has_no_default(tiny):
     with pytest.raises(ConfigError, match="--model.path is required"):
         set_up(StandInCluster(1), config(), [["actor"]], algo="grpo", default=None)

@@ -111,6 +111,10 @@ def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm
     if found:
         raise ConfigError("\n".join(found))
     base = base_policy(model, default)
+    if cfg.data.chat and not model.path:
+        print("hflow: warning: --data.chat wraps every prompt in the chat template, which the embedded default "
+              "model has never seen (it was warmed up on bare '27+82=' prompts): expect rewards near 0; drop "
+              "--data.chat, or give a chat model with --model.path", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(base)
     warn_if_responses_cannot_stop(base)
     room = context_room(base, cfg.rollout)
