@@ -1,6 +1,7 @@
-"""Draw a run's curves (reward and held-out eval, KL, response length, losses, the critic's
-explained variance, grad norms, reward-function failures) from metrics.jsonl files to a PNG;
-panels with nothing logged (e.g. KL without a reference model) are left out.
+"""Draw a run's curves (reward and held-out eval, KL, response length, the actor's and the
+critic's losses, the critic's explained variance, grad norms, reward-function failures) from
+metrics.jsonl files to a PNG titled with the runs' names; panels with nothing logged (e.g. KL
+without a reference model) are left out, and the failures panel when nothing failed.
 
     python scripts/plot_metrics.py --runs outputs/ppo                # -> outputs/ppo/metrics.png
     python scripts/plot_metrics.py --runs outputs/ppo outputs/grpo --out compare.png
@@ -20,11 +21,15 @@ PANELS = {
     "reward": ("reward/mean", "eval/reward_mean", "eval/reward_mean_sampled"),
     "KL": ("kl/mean",),
     "response length": ("response_length/mean",),
-    "loss": ("actor/loss", "critic/loss"),
+    # apart: a critic's loss is orders of magnitude above the actor's, which would be a flat line
+    "actor loss": ("actor/loss",),
+    "critic loss": ("critic/loss", "cost_critic/loss"),
     "critic explained variance": ("critic/vf_explained_var",),
     "grad norm": ("actor/grad_norm", "critic/grad_norm"),
     "reward failures": ("reward/errors", "reward/timeouts", "reward/crashes"),
 }
+# panels drawn only when some value is not 0: a panel of zeros says nothing failed, at length
+ONLY_WHEN_NONZERO = {"reward failures"}
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -43,12 +48,14 @@ def plot(runs: list[Path], out: Path, panels: dict = PANELS):
                          "(or `pip install hflow[plot]`).") from e
     loaded = dict(zip(run_labels(runs), (read_metrics(path) for path in runs)))
     drawn = {title: keys for title, keys in panels.items()
-             if any(key in row for rows in loaded.values() for row in rows for key in keys)}
+             if any(key in row and (row[key] != 0 or title not in ONLY_WHEN_NONZERO)
+                    for rows in loaded.values() for row in rows for key in keys)}
     columns = 2 if len(drawn) > 1 else 1
     fig = Figure(figsize=(11, 3.5 * -(-len(drawn) // columns)), layout="constrained")
     axes = fig.subplots(-(-len(drawn) // columns), columns, squeeze=False).flatten()
     for ax in axes[len(drawn):]:
         ax.remove()
+    fig.suptitle(" vs ".join(loaded))   # which run(s): a PNG is often looked at far from its directory
     for ax, (title, keys) in zip(axes, drawn.items()):
         for label, rows in loaded.items():
             for style, key in zip(("-", "--", ":", "-."), keys):

@@ -153,12 +153,15 @@ def test_plot_draws_the_logged_values(tmp_path):
     assert out == tmp_path / "ppo" / "metrics.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     fig = plot_metrics.plot([tmp_path / "ppo" / "metrics.jsonl"], tmp_path / "again.png")
-    reward, kl, length, loss = fig.axes[:4]
+    reward, kl, length, actor_loss, critic_loss = fig.axes[:5]
     lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in reward.lines}
     assert lines["eval/reward_mean"] == ([0, 5], [0.2, 0.6])
     assert lines["reward/mean"][0] == [1, 2, 3, 4, 5]
     assert list(kl.lines[0].get_ydata()) == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05])
-    assert [line.get_label() for line in loss.lines] == ["actor/loss", "critic/loss"]
+    # the two losses on axes of their own: the critic's scale would flatten the actor's
+    assert [line.get_label() for line in actor_loss.lines] == ["actor/loss"]
+    assert [line.get_label() for line in critic_loss.lines] == ["critic/loss"]
+    assert fig.get_suptitle() == "ppo"
 
 
 def test_plot_compares_runs(tmp_path):
@@ -167,8 +170,9 @@ def test_plot_compares_runs(tmp_path):
     _write_run(tmp_path / "ppo")
     _write_run(tmp_path / "grpo", with_critic=False)
     fig = plot_metrics.plot([tmp_path / "ppo", tmp_path / "grpo"], tmp_path / "cmp.png")
-    assert [line.get_label() for line in fig.axes[3].lines] == ["ppo: actor/loss", "ppo: critic/loss",
-                                                                 "grpo: actor/loss"]
+    assert [line.get_label() for line in fig.axes[3].lines] == ["ppo: actor/loss", "grpo: actor/loss"]
+    assert [line.get_label() for line in fig.axes[4].lines] == ["ppo: critic/loss"]
+    assert fig.get_suptitle() == "ppo vs grpo"
     assert (tmp_path / "cmp.png").exists()
 
 
@@ -195,6 +199,11 @@ def test_plot_draws_two_out_directories_as_two_runs_with_grad_norms_and_reward_f
     assert reward == {"a/out: reward/mean", "a/out: eval/reward_mean_sampled",
                       "b/out: reward/mean", "b/out: eval/reward_mean_sampled"}
     assert [list(line.get_ydata()) for line in fig.axes[2].lines] == [[0, 1, 0], [0, 1, 0]]
+    # nothing failed: no panel of zeros
+    with MetricsLogger(tmp_path / "clean", stream=io.StringIO()) as logger:
+        for step in range(1, 4):
+            logger.log(step, {"reward/mean": 0.1 * step, "reward/errors": 0.0, "reward/timeouts": 0.0})
+    assert [ax.get_title() for ax in plot_metrics.plot([tmp_path / "clean"], tmp_path / "y.png").axes] == ["reward"]
 
 
 def test_missing_matplotlib_says_what_to_install(tmp_path, monkeypatch):
