@@ -123,7 +123,9 @@ def main(cluster: hflow.Cluster, cfg: Config):
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
     critic = cluster.spawn(Critic, cfg.critic, setup.model_dir, ranks=placement["critic"])
     # held-out accuracy is the rule's, also when a reward model (a proxy) gives the training score
-    run = setup.run(actor, rewards, trained={"actor": actor, "critic": critic}, state={"kl_ctrl": kl_ctrl})
+    warm = f"steps 1..{algo.critic_warmup} train the critic only (--algo.critic-warmup)" if algo.critic_warmup else ""
+    run = setup.run(actor, rewards, trained={"actor": actor, "critic": critic}, state={"kl_ctrl": kl_ctrl},
+                    notes=warm)
     # a KL in the reward needs the sampling policy's log-probs before the update
     old = setup.old_log_probs(kl_in_reward=ref is not None and not algo.kl_loss)
 

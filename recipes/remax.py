@@ -101,7 +101,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
     # held-out accuracy is the rule's, also when a reward model (a proxy) gives the training score
-    run = setup.run(actor, rewards, trained={"actor": actor})
+    run = setup.run(actor, rewards, trained={"actor": actor},
+                    notes="each prompt's baseline is the score of its greedy response, sampled beside the others")
     # the KL is in the reward: it needs the sampling policy's log-probs before the update
     old = setup.old_log_probs(kl_in_reward=ref is not None)
     loss_fn = functools.partial(remax_loss, algo=algo, correction=old.correction)

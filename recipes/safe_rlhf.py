@@ -160,8 +160,15 @@ def main(cluster: hflow.Cluster, cfg: Config):
     task = safety if not cfg.data.train_files and cfg.data.task == "arithmetic" else None
     evaluate_fn = functools.partial(evaluate, actor, setup.val, tokenizer, rewards.rule, cfg.rollout,
                                     cfg.trainer.eval_size, sampled=False, task_metrics=task and task.rule_metrics)
+    notes = [f"the constraint: mean cost <= {algo.cost_threshold:g} (--algo.cost-threshold; cost > 0 is unsafe), "
+             f"lambda from {algo.lambda_init:g}"]
+    if algo.critic_warmup:
+        notes.append(f"steps 1..{algo.critic_warmup} train the two critics only, lambda waits (--algo.critic-warmup)")
+    if task:
+        notes.append("eval/refusal_rate is over the held-out forbidden prompts, eval/answer_accuracy and "
+                     "eval/over_refusal over the allowed ones")
     run = setup.run(actor, rewards, trained={"actor": actor, "critic": reward_critic, "cost_critic": cost_critic},
-                    state={"lambda": multiplier}, evaluate_fn=evaluate_fn)
+                    state={"lambda": multiplier}, evaluate_fn=evaluate_fn, notes="; ".join(notes))
     old = setup.old_log_probs(kl_in_reward=ref is not None)
 
     timer, temperature = Timer(), cfg.rollout.temperature

@@ -68,17 +68,18 @@ class Setup:
         """--actor.* on the policy: what the Actor and the Reference are spawned with."""
         return dataclasses.replace(self.cfg.actor, model_path=self.model_dir)
 
-    def run(self, actor, rewards, trained: dict, state: dict | None = None, evaluate_fn=None) -> Run:
+    def run(self, actor, rewards, trained: dict, state: dict | None = None, evaluate_fn=None, notes: str = "") -> Run:
         """The run's bookkeeping (hflow.run.Run): `trained` and the data position (beside
         `state`) in every checkpoint; held-out evaluation of `actor` (greedy and sampled,
         scored by `rewards.rule`) unless `evaluate_fn` replaces it; a few of `rewards`' latest
-        samples shown every --trainer.logging.samples-every steps; the final export of `actor`."""
+        samples shown every --trainer.logging.samples-every steps; the final export of `actor`.
+        `notes`: what the recipe adds to the run's first line (a critic warm-up, a constraint)."""
         cfg = self.cfg
         evaluate_fn = evaluate_fn or functools.partial(evaluate, actor, self.val, self.tokenizer, rewards.rule,
                                                        cfg.rollout, cfg.trainer.eval_size)
         placement = ", ".join(f"{role} {ranks}" for role, ranks in self.placement.items())
         about = (f"{len(self.train)} training prompts, {cfg.data.batch_size} x {cfg.rollout.n} samples a step; "
-                 f"policy {self.model_dir}; placement: {placement}")
+                 f"policy {self.model_dir}; placement: {placement}" + (f"; {notes}" if notes else ""))
         return Run(cfg.trainer, trained=trained, state={"data": self.sampler, **(state or {})},
                    evaluate=evaluate_fn, export=(actor, self.model_dir), about=about,
                    samples=lambda: rewards.samples)
