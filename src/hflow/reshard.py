@@ -146,10 +146,12 @@ def generation_weights(model: nn.Module, gen_mesh: DeviceMesh, dtype: torch.dtyp
             if lora.is_adapter(name):
                 continue
             dim = tp_dim(name)
-            shard = generation_shard(param, gen_mesh, dim, dtype)
+            # no local name holds a yielded tensor: the consumer's copy would otherwise stay alive
+            # beside the next one, two tensors in flight instead of one
             if name in adapted:
-                shard = _merged(shard, adapted[name], gen_mesh, dim)
-            yield name, shard
+                yield name, _merged(generation_shard(param, gen_mesh, dim, dtype), adapted[name], gen_mesh, dim)
+            else:
+                yield name, generation_shard(param, gen_mesh, dim, dtype)
 
 
 def _merged(shard: torch.Tensor, module: nn.Module, gen_mesh: DeviceMesh, dim: int | None) -> torch.Tensor:

@@ -93,6 +93,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "clip_low": _within(0, 1, "PPO clip below: ratio >= 1 - clip_low", open_low=True, open_high=True),
     "clip_high": _positive("PPO clip above: ratio <= 1 + clip_high"),
     "rank": _at_least(0, "the LoRA rank (0: off)"),
+    "samples_every": _at_least(0, "steps between sample printouts (0: never)"),
     "alpha": _positive("LoRA's scale numerator (the update is scaled by alpha / rank)"),
     "rollout_correction_cap": _positive("the cap of the rollout correction's importance weight"),
     "dual_clip": lambda v: None if v is None or v > 1 else "must be > 1 (dual-clip constant), or unset",
