@@ -76,10 +76,13 @@ class Rewards:
                                   "reward/rm_std": rm.std().item() if len(rm) > 1 else 0.0}
 
     def sampled(self, batch: Batch, scores: torch.Tensor, count: int = 3) -> list[dict]:
-        """The first `count` rows of a batch as text, with their training scores."""
-        rows = batch[:count] if len(batch) > count else batch
+        """`count` rows of a batch as text, with their training scores: the first sample of
+        each of the first prompts (a prompt's n samples are consecutive)."""
+        picked = torch.arange(0, len(batch), int(batch.meta.get("n", 1)))[:count]
+        rows = batch[picked]
         return [{"prompt": p, "response": r, "score": float(s)}
-                for p, r, s in zip(prompt_texts(rows, self.tokenizer), response_texts(rows, self.tokenizer), scores)]
+                for p, r, s in zip(prompt_texts(rows, self.tokenizer), response_texts(rows, self.tokenizer),
+                                   scores[picked])]
 
     def stop_if_scoring_keeps_failing(self, scored: ScoredBatch) -> None:
         """Raise ScoringFailed once --reward.max-failed-batches batches in a row had every
