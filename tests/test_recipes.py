@@ -32,6 +32,17 @@ def without_timing(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(TIMING)}
 
 
+def assert_resumed_equals_straight(straight: list[dict], resumed: list[dict], interrupted_at: int) -> None:
+    """A run stopped at `interrupted_at` and resumed logs what the uninterrupted run logged, to the
+    last bit (timings aside; the stopped run also evaluated at its last step)."""
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight]
+    for x, y in zip(straight, resumed):
+        x, y = without_timing(x), without_timing(y)
+        if x["step"] == interrupted_at:
+            y = {k: v for k, v in y.items() if not k.startswith("eval/")}
+        assert x == y, x["step"]
+
+
 @pytest.mark.dist
 def test_ppo_split_placement_on_4_ranks_logs_every_metric_and_exports(tiny_model, tmp_path):
     out = tmp_path / "ppo"
@@ -66,13 +77,7 @@ def test_ppo_resumed_run_matches_the_uninterrupted_one(tiny_model, tmp_path):
     assert (resumed / "checkpoints" / "step_2").is_dir()
     torchrun(str(RECIPES / "ppo.py"), 2, small_run(tiny_model, resumed, 4, "--trainer.resume", *common),
              timeout=400).check()
-    a, b = rows(straight), rows(resumed)
-    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
-    for x, y in zip(a, b):
-        x, y = without_timing(x), without_timing(y)
-        if x["step"] == 2:   # the interrupted run also evaluated at its last step
-            y = {k: v for k, v in y.items() if not k.startswith("eval/")}
-        assert x == y, x["step"]   # the same computation: equal to the last bit
+    assert_resumed_equals_straight(rows(straight), rows(resumed), interrupted_at=2)
     # a flag changed for the resumed run takes effect, and the run says so (issue 23.3)
     again = torchrun(str(RECIPES / "ppo.py"), 2, small_run(tiny_model, resumed, 3, "--trainer.resume",
                                                            "--actor.optim.lr", 3e-6, *common), timeout=400).check()
@@ -139,13 +144,7 @@ def test_grpo_with_lora_resumes_exactly_from_adapter_checkpoints_and_exports_bot
                                                     "--trainer.no-export", *lora), timeout=400).check()
     torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, resumed, 4, "--trainer.resume",
                                                     "--trainer.save-every", 2, *lora), timeout=400).check()
-    a, b = rows(straight), rows(resumed)
-    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
-    for x, y in zip(a, b):
-        x, y = without_timing(x), without_timing(y)
-        if x["step"] == 2:   # the interrupted run also evaluated at its last step
-            y = {k: v for k, v in y.items() if not k.startswith("eval/")}
-        assert x == y, x["step"]
+    assert_resumed_equals_straight(rows(straight), rows(resumed), interrupted_at=2)
     # the checkpoint is the adapters' and their Adam moments: less than the model itself (a full
     # fine-tuning checkpoint holds the weights and two moments, 3x the model)
     model_bytes = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors"))

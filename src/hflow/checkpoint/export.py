@@ -57,12 +57,17 @@ def export_peft_adapter(model, path, cfg: lora.LoRAConfig, base_model: str, proc
     adapters = _gathered(model, writer, keep=lora.is_adapter)
     path = Path(path)
     if writer:
-        config, tensors = lora.peft_adapter_files(adapters, cfg, base_model)
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, path / "adapter_model.safetensors")
-        (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        write_peft_adapter(path, adapters, cfg, base_model)
     _barrier(process_group)
     return path
+
+
+def write_peft_adapter(path: Path, state: dict, cfg: lora.LoRAConfig, base_model: str) -> None:
+    """adapter_config.json and adapter_model.safetensors of `state`'s adapters in `path`."""
+    config, tensors = lora.peft_adapter_files(state, cfg, base_model)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _gathered(model, writer: bool, keep=lambda name: True) -> dict[str, torch.Tensor]:

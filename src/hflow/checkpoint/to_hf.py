@@ -13,15 +13,14 @@ Runs on one process, on CPU; no process group.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hflow import lora
 from hflow.checkpoint.errors import CheckpointError
+from hflow.checkpoint.export import write_peft_adapter
 from hflow.checkpoint.integrity import verify
 from hflow.checkpoint.safe_format import read_dcp_metadata
 from hflow.checkpoint.sharded import load_sharded
@@ -63,16 +62,11 @@ def checkpoint_to_hf(step_dir, model_dir, out, role: str = "actor", lora_alpha: 
     load_sharded(path, {"model": {"model": template}})
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if adapters:
-        rank = next(iter(adapters.values())).shape[0]
-        cfg = lora.LoRAConfig(rank=rank, alpha=lora_alpha,
+        cfg = lora.LoRAConfig(rank=next(iter(adapters.values())).shape[0], alpha=lora_alpha,
                               targets=tuple(sorted({n.rsplit(".", 2)[-2] for n in adapters})))
         full = {**state, **adapters}
         model.load_state_dict(lora.merge_state_dict(full, cfg.scaling))
-        config, tensors = lora.peft_adapter_files(full, cfg, str(model_dir))
-        adapter_dir = out.with_name(out.name + "_lora")
-        adapter_dir.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, adapter_dir / "adapter_model.safetensors")
-        (adapter_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        write_peft_adapter(out.with_name(out.name + "_lora"), full, cfg, str(model_dir))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
