@@ -67,9 +67,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 SIZES = {"25m": dict(hidden=512, inter=1376, layers=8, heads=8, kv=4),
-         "quick": dict(hidden=128, inter=344, layers=2, heads=4, kv=2)}
+         "quick": dict(hidden=128, inter=344, layers=2, heads=4, kv=2),
+         # Qwen3-0.6B's shape: 16/8 heads of 128 (wider than hidden / heads), tied embeddings
+         "qwen3-0.6b": dict(hidden=1024, inter=3072, layers=28, heads=16, kv=8, head_dim=128, vocab=151936)}
 WORKLOADS = {"equal": dict(max_tokens=32, eos_prob=1e-6), "vary": dict(max_tokens=96, eos_prob=0.015)}
+# at 0.6B: <= 64 new tokens (mean ~28) where lengths vary, so that TRL's one process fits in 24 GiB
+QWEN3_WORKLOADS = {"equal": dict(max_tokens=32, eos_prob=1e-6), "vary": dict(max_tokens=64, eos_prob=0.03)}
 VOCAB, PAD, EOS = 4096, 0, 1
+QWEN3_PAD, QWEN3_EOS = 151643, 151645   # <|endoftext|>, <|im_end|>
+QWEN3_FIXTURE = REPO / "tests" / "fixtures" / "qwen3"
 REWARD_MODULE = '''"""bench_rl's reward: the fraction of words that start with a lower-case letter."""
 def score(response, ground_truth=None, **extra):
     words = response.split()
@@ -117,39 +123,81 @@ def build_tokenizer():
                                    unk_token=None)
 
 
+def qwen3_tokenizer(folder: Path):
+    """Qwen3's real tokenizer and chat template (tests/fixtures/qwen3), unpacked into `folder`."""
+    import gzip
+
+    from transformers import AutoTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with gzip.open(QWEN3_FIXTURE / "tokenizer.json.gz", "rb") as packed, open(folder / "tokenizer.json", "wb") as out:
+        shutil.copyfileobj(packed, out)
+    shutil.copy(QWEN3_FIXTURE / "tokenizer_config.json", folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def make_model(size: dict, eos_prob: float, seed: int = 0):
-    """A random Qwen2 whose EOS ends a sequence with probability ~eos_prob per token (the trick
-    of scripts/bench_generate.py: hidden dim 0 of every embedding is 1, the EOS row gets +delta)."""
+    """A random Qwen2 (Qwen3 where the size names a head_dim) whose EOS ends a sequence with
+    probability ~eos_prob per token (the trick of scripts/bench_generate.py: hidden dim 0 of
+    every embedding is 1, the EOS row gets +delta)."""
     import math
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=size["hidden"], intermediate_size=size["inter"],
-                      num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
-                      num_key_value_heads=size["kv"], max_position_embeddings=512, tie_word_embeddings=True,
-                      eos_token_id=EOS, bos_token_id=EOS, pad_token_id=PAD)
-    model = Qwen2ForCausalLM(cfg).eval()
+    qwen3 = "head_dim" in size
+    vocab, eos, pad = (size["vocab"], QWEN3_EOS, QWEN3_PAD) if qwen3 else (VOCAB, EOS, PAD)
+    shape = dict(vocab_size=vocab, hidden_size=size["hidden"], intermediate_size=size["inter"],
+                 num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                 num_key_value_heads=size["kv"], max_position_embeddings=512, tie_word_embeddings=True,
+                 eos_token_id=eos, bos_token_id=pad if qwen3 else eos, pad_token_id=pad)
+    model = (Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=size["head_dim"], rope_theta=1e6, rms_norm_eps=1e-6))
+             if qwen3 else Qwen2ForCausalLM(Qwen2Config(**shape))).eval()
     emb = model.model.embed_tokens.weight.data
     emb[:, 0] = 1.0
     with torch.no_grad():
-        h0 = model.model(torch.randint(2, VOCAB, (16, 64))).last_hidden_state[..., 0].mean().item()
-    emb[EOS, 0] = 1.0 + math.log(eos_prob * (VOCAB - 1) / (1 - eos_prob)) / h0
+        h0 = model.model(torch.randint(2, min(vocab, 4096), (16, 64))).last_hidden_state[..., 0].mean().item()
+    emb[eos, 0] = 1.0 + math.log(eos_prob * (vocab - 1) / (1 - eos_prob)) / h0
     return model
 
 
-def random_prompts(tokenizer, num: int, seed: int = 1) -> list[str]:
-    """Texts of 8-64 random word tokens that re-tokenise to exactly the drawn ids."""
+def qwen3_model_dir(size: dict, eos_prob: float) -> Path:
+    """make_model at a Qwen3 size, saved once in bf16 (1.2 GB at 0.6B) under ~/.cache/hflow/bench/."""
+    import torch
+
+    path = Path.home() / ".cache" / "hflow" / "bench" / f"bench_rl-qwen3-L{size['layers']}-eos{eos_prob:g}"
+    if not (path / "config.json").exists():
+        make_model(size, eos_prob).to(torch.bfloat16).save_pretrained(path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+    return path
+
+
+def random_prompts(tokenizer, num: int, seed: int = 1, lengths=(8, 64), words: list[int] | None = None) -> list[str]:
+    """Texts of `lengths` (inclusive) random word tokens (from `words`, else every word of
+    build_tokenizer's vocabulary) that re-tokenise to exactly the drawn ids; a draw that does
+    not (two words a real BPE merges) is drawn again."""
     import torch
 
     g, out = torch.Generator().manual_seed(seed), []
-    for _ in range(num):
-        ids = torch.randint(258, VOCAB, (int(torch.randint(8, 65, (), generator=g)),), generator=g).tolist()
+    words = torch.tensor(words) if words is not None else torch.arange(258, VOCAB)
+    while len(out) < num:
+        count = int(torch.randint(lengths[0], lengths[1] + 1, (), generator=g))
+        ids = words[torch.randint(len(words), (count,), generator=g)].tolist()
         text = tokenizer.decode(ids)
-        assert tokenizer(text)["input_ids"] == ids, "a prompt does not re-tokenise to its ids"
-        out.append(text)
+        if tokenizer(text, add_special_tokens=False)["input_ids"] == ids:
+            out.append(text)
+        elif words is None:
+            raise AssertionError("a prompt does not re-tokenise to its ids")
     return out
+
+
+def qwen3_words(tokenizer) -> list[int]:
+    """Ids of Qwen3's space-led lower-case English word tokens of 3-8 letters (" the", " house")."""
+    import re
+
+    word = re.compile(r"Ġ[a-z]{3,8}")
+    return sorted(i for t, i in tokenizer.get_vocab().items() if word.fullmatch(t))
 
 
 def recipe_config(algo: str):
@@ -186,31 +234,47 @@ def prepare(name: str, args, root: Path) -> dict:
         count = max(b for b, _, _ in shapes.values()) * args.steps
         rows = [{"prompt": p, "answer": a} for p, a in zip(train.prompts[:count], train.ground_truths[:count])]
         prompt_lens = [len(ids) for ids in train.prompt_ids[:count]]
-        spec.update(hflow_flags=[], reward="arithmetic", trl_reward="bench_rl_reward:trl_arithmetic",
-                    ppo_flags=["--algo.critic-warmup", "0"], ppo_ref=ppo.algo.kl_coef > 0)
+        bf16 = ["--actor.fsdp.param-dtype", "bfloat16"] if args.bf16 else []
+        spec.update(hflow_flags=bf16, reward="arithmetic", trl_reward="bench_rl_reward:trl_arithmetic",
+                    ppo_flags=["--algo.critic-warmup", "0"] + (["--critic.fsdp.param-dtype", "bfloat16"] if bf16 else []),
+                    ppo_ref=ppo.algo.kl_coef > 0)
     else:
-        tokenizer = build_tokenizer()
-        model_dir = work / "model"
-        make_model(SIZES[args.size], WORKLOADS[name]["eos_prob"]).save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
+        qwen3 = args.size.startswith("qwen3")
+        workload = (QWEN3_WORKLOADS if qwen3 else WORKLOADS)[name]
+        if qwen3:   # the real tokenizer; the model in bf16, built once (a 0.6B build takes a minute)
+            size = {**SIZES[args.size], "layers": args.layers or SIZES[args.size]["layers"]}
+            model_dir = work / "model"
+            shutil.copytree(qwen3_model_dir(size, workload["eos_prob"]), model_dir)
+            tokenizer = qwen3_tokenizer(model_dir)
+            lengths, words = (4, 16), qwen3_words(tokenizer)
+        else:
+            tokenizer = build_tokenizer()
+            model_dir = work / "model"
+            make_model(SIZES[args.size], workload["eos_prob"]).save_pretrained(model_dir)
+            tokenizer.save_pretrained(model_dir)
+            lengths, words = (8, 64), None
         tokenizer = AutoTokenizer.from_pretrained(model_dir)  # as both sides load it
-        max_tokens = 16 if args.quick else WORKLOADS[name]["max_tokens"]
+        max_tokens = 16 if args.quick else workload["max_tokens"]
         shapes = {a: (args.batch, args.n, max_tokens) for a in ("grpo", "ppo")}
-        rows = [{"prompt": p} for p in random_prompts(tokenizer, args.batch * args.steps)]
+        rows = [{"prompt": p} for p in random_prompts(tokenizer, args.batch * args.steps, lengths=lengths, words=words)]
         prompt_lens = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]
-        spec.update(note="random prompts of 8-64 tokens", reward="bench_rl_reward:score",
+        bf16 = ["--actor.fsdp.param-dtype", "bfloat16", "--critic.fsdp.param-dtype", "bfloat16"] if args.bf16 else []
+        spec.update(note=f"random prompts of {lengths[0]}-{lengths[1]} tokens", reward="bench_rl_reward:score",
                     trl_reward="bench_rl_reward:trl_score", lr=1e-6, hflow_flags=[
                         "--data.train-files", str(work / "prompts.jsonl"), "--data.answer-key", "",
-                        "--actor.optim.lr", "1e-6"],
-                    ppo_flags=["--algo.kl-coef", "0", "--algo.critic-warmup", "0"], ppo_ref=False)
+                        "--actor.optim.lr", "1e-6", *bf16[:2]],
+                    ppo_flags=["--algo.kl-coef", "0", "--algo.critic-warmup", "0", *bf16[2:]], ppo_ref=False)
+    spec.update(bf16=args.bf16, trl_micro=args.trl_micro_batch)
     with open(work / "prompts.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     c = AutoConfig.from_pretrained(model_dir)
-    h, kv = c.hidden_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
-    layer = 2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size   # q, o; k, v; gate, up, down
+    h = c.hidden_size
+    head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    layer = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size   # q, o; k, v; gate, up, down
     spec.update(model_dir=str(model_dir), shapes=shapes, prompt_lens=prompt_lens, hidden=h, vocab=c.vocab_size,
                 inter=c.intermediate_size, n_body=c.num_hidden_layers * layer, n_head=c.vocab_size * h,
-                kv=kv, layers=c.num_hidden_layers)
+                q=q, kv=kv, layers=c.num_hidden_layers, arch=type(c).__name__.removesuffix("Config"))
     return spec
 
 
@@ -277,12 +341,12 @@ def trl_worker(spec_path: str) -> None:
     rows = [json.loads(line) for line in open(Path(spec["work"]) / "prompts.jsonl")][:batch * spec["steps"]]
     module, _, fn = spec["trl_reward"].partition(":")
     reward = getattr(importlib.import_module(module), fn)
-    micro = min(64, batch * n)
+    micro = min(spec["trl_micro"], batch * n)
     args = GRPOConfig(output_dir=spec["out"], per_device_train_batch_size=micro,
                       gradient_accumulation_steps=batch * n // micro, num_generations=n,
                       max_completion_length=max_tokens, temperature=1.0, num_iterations=1, beta=0.0,
                       learning_rate=spec["lr"], lr_scheduler_type="constant", max_steps=spec["steps"],
-                      bf16=False, gradient_checkpointing=False, use_vllm=False, shuffle_dataset=False,
+                      bf16=spec["bf16"], gradient_checkpointing=False, use_vllm=False, shuffle_dataset=False,
                       use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32),
                           reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
@@ -330,7 +394,8 @@ def trl_worker(spec_path: str) -> None:
                 "step": state.global_step, "time/step_s": step, "time/generate_s": acc["generate"],
                 "time/log_probs_s": acc.get("old", 0.0), "time/update_s": step - acc["gas"],
                 "response_length/mean": acc["tokens"] / (batch * n), "response_length/max": acc["longest"],
-                "prompt_tokens": acc["prompt_tokens"]}) + "\n")
+                "prompt_tokens": acc["prompt_tokens"],
+                "memory/actor_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}) + "\n")
             log.flush()
 
     trainer.add_callback(StepTimer())
@@ -339,17 +404,26 @@ def trl_worker(spec_path: str) -> None:
 
 # ------------------------------------------------------------ figures
 
+def compute_dtype(spec: dict):
+    import torch
+
+    return torch.bfloat16 if spec["bf16"] else torch.float32
+
+
 def matmul_peak(spec: dict, threads: int) -> float:
-    """Best fp32 torch.mm GFLOP/s over the model's shapes (3 tries each), `threads` threads."""
+    """Best torch.mm GFLOP/s in the compute dtype over the model's shapes (3 tries each),
+    `threads` threads."""
     import torch
 
     torch.set_num_threads(threads)
-    h, i, best = spec["hidden"], spec["inter"], 0.0
+    h, i, best, dtype = spec["hidden"], spec["inter"], 0.0, compute_dtype(spec)
     for rows in (256, 1024, 4096):
-        for k, m in ((h, i), (i, h), (h, h), (h, spec["vocab"])):
-            a, b = torch.randn(rows, k), torch.randn(k, m)
+        for k, m in ((h, i), (i, h), (h, spec["q"]), (h, spec["vocab"])):
+            if rows > 256 and 2 * rows * k * m > 2e10:   # a 0.6B head at 4096 rows: seconds a call
+                continue
+            a, b = torch.randn(rows, k, dtype=dtype), torch.randn(k, m, dtype=dtype)
             torch.mm(a, b)
-            reps = max(2, int(1e8 / (2 * rows * k * m)))
+            reps = max(1, int(1e8 / (2 * rows * k * m)))
             for _ in range(3):
                 start = time.perf_counter()
                 for _ in range(reps):
@@ -370,13 +444,13 @@ def decode_matmul_rates(spec: dict, threads: int, rows=(4, 8, 16, 32, 64)) -> di
     from hflow.engine.models.layers import can_pack, linear, pack
 
     torch.set_num_threads(threads)
-    h, i, kv = spec["hidden"], spec["inter"], spec["kv"]
-    shapes = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)] * spec["layers"] + [(spec["vocab"], h)]
-    weights = [torch.randn(n, k) for n, k in shapes]
+    h, i, q, kv = spec["hidden"], spec["inter"], spec["q"], spec["kv"]
+    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * spec["layers"] + [(spec["vocab"], h)]
+    weights = [torch.randn(n, k, dtype=compute_dtype(spec)) for n, k in shapes]
     packed = [pack(w) if can_pack(w) else None for w in weights]
     rates = {}
     for m in rows:
-        xs = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
+        xs = {k: torch.randn(m, k, dtype=compute_dtype(spec)) for k in {k for _, k in shapes}}
         flop, best = 2 * m * sum(n * k for n, k in shapes), float("inf")
         for _ in range(4):   # the first pass warms up
             start = time.perf_counter()
@@ -401,9 +475,9 @@ def memory_bandwidth(threads: int) -> float:
 
 
 def weight_reads(spec: dict, row: dict) -> float:
-    """GB a generation must read at least: every fp32 weight once per decode step, and there are
-    as many steps as the longest response has tokens (all rows decoded together)."""
-    return 4 * (spec["n_body"] + spec["n_head"]) * row["response_length/max"] / 1e9
+    """GB a generation must read at least: every weight (fp32, or bf16 in bf16) once per decode
+    step, and there are as many steps as the longest response has tokens (all rows decoded together)."""
+    return (2 if spec["bf16"] else 4) * (spec["n_body"] + spec["n_head"]) * row["response_length/max"] / 1e9
 
 
 def floors(spec: dict, algo: str, row: dict, step: int) -> dict:
@@ -454,6 +528,9 @@ def report(spec: dict, algo: str, label: str, rows: list[dict], peak: float, ban
             print("    (above 100 %: the matmul peak was measured low; was the machine busy?)")
     other = [r["time/step_s"] - r["time/generate_s"] - r["time/log_probs_s"] - r["time/update_s"] for r in rows]
     print(f"    {'other (score)':<14}{statistics.median(other):9.2f}")
+    peaks = [r["memory/actor_peak_gib"] for r in rows if "memory/actor_peak_gib" in r]
+    if peaks:   # ru_maxrss: TRL's one process; hflow's largest rank (each holds its share and the engine)
+        print(f"    peak memory of the largest process: {max(peaks):.1f} GiB")
     for key, mib in sorted(comm.items()):
         print(f"    {key}: {mib:,.6g} a step (a separate counted run)")
     return step_rate(spec, algo, rows)
@@ -477,6 +554,14 @@ def main():
     ap.add_argument("--batch", type=int, default=16, help="prompts per step (equal/vary)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (equal/vary)")
     ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--model", default="25m", choices=["25m", "qwen3-0.6b"],
+                    help="equal/vary's model: the 25M Qwen2, or Qwen3-0.6B's shape with Qwen3's tokenizer (bf16)")
+    ap.add_argument("--layers", type=int, default=0, help="qwen3-0.6b with fewer decoder layers (a quick check)")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                    help="both sides in bf16 (TRL bf16=True; hflow --actor.fsdp.param-dtype bfloat16, fp32 master "
+                         "weights); default: on for qwen3-0.6b on a CPU with AMX, else off (fp32)")
+    ap.add_argument("--trl-micro-batch", type=int, default=0,
+                    help="TRL's per_device_train_batch_size (default 64; 32 at qwen3-0.6b, to fit 24 GiB)")
     ap.add_argument("--hflow-flags", default="", help="more flags for hflow's recipes, e.g. '--rollout.tp-size 2'")
     ap.add_argument("--quick", action="store_true", help="tiny model, 16 new tokens, equal only, 2 steps, 1 round")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (models, logs, metrics)")
@@ -486,7 +571,14 @@ def main():
         return trl_worker(args.trl_worker)
     if args.quick:
         args.workload, args.steps, args.rounds, args.warmup = "equal", 2, 1, 1
-    args.size = "quick" if args.quick else "25m"
+    args.size = "quick" if args.quick else args.model
+    qwen3 = args.model.startswith("qwen3")
+    from hflow.workers.fsdp import cpu_has_amx
+    if args.bf16 is None:   # as hflow's auto: bf16 on CPU only where it is fast (hflow.workers.fsdp)
+        args.bf16 = qwen3 and cpu_has_amx()
+    elif args.bf16 and not cpu_has_amx():
+        print("warning: --bf16 on a CPU without AMX: bf16 matmuls run far slower than fp32 here")
+    args.trl_micro_batch = args.trl_micro_batch or (32 if qwen3 else 64)
     if args.trl and importlib.util.find_spec("trl") is None:
         print("TRL is not installed: hflow figures only (pip install -e '.[bench]' for the comparison)")
         args.trl = False
@@ -494,11 +586,12 @@ def main():
     root = Path(tempfile.mkdtemp(prefix="bench_rl."))
     table = []
     try:
-        for name in (["equal", "vary", "default"] if args.workload == "all" else [args.workload]):
+        every = ["equal", "vary"] if qwen3 else ["equal", "vary", "default"]
+        for name in (every if args.workload == "all" else [args.workload]):
             spec = prepare(name, args, root)
             peak = matmul_peak(spec, args.cores)    # measured again after the runs; the best is kept
             b, n, t = spec["shapes"]["grpo"]
-            print(f"\n== {name}: Qwen2, {(spec['n_body'] + spec['n_head']) / 1e6:.1f}M matmul params (layers "
+            print(f"\n== {name}: {spec['arch']} {'bf16' if args.bf16 else 'fp32'}, {(spec['n_body'] + spec['n_head']) / 1e6:.1f}M matmul params (layers "
                   f"{spec['n_body'] / 1e6:.1f}M + lm_head {spec['n_head'] / 1e6:.1f}M), GRPO {b} prompts x {n}, "
                   f"<= {t} new tokens, {spec['note']}; matmul peak {peak:.0f} GFLOP/s ({args.cores} threads)")
             runs = ([("grpo", "trl", 1)] if args.trl else []) + [(a, "hflow", r) for a in ("grpo", "ppo")

@@ -15,7 +15,7 @@ from hflow.default.model import build_default
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "agent.py")
 ENVS = os.path.join(PROGRAMS, "agent_envs.py")
-TIMING = ("time/", "throughput/")
+TIMING = ("time/", "throughput/", "memory/")
 
 
 @pytest.fixture(scope="module")

@@ -66,3 +66,52 @@ def test_entropy_is_computed_in_fp32():
 def test_engine_cli_defaults_to_bf16_on_cuda_and_fp32_on_cpu():
     assert default_dtype("cuda") == default_dtype("cuda:1") == torch.bfloat16
     assert default_dtype("cpu") == torch.float32
+
+
+# ---- --*.fsdp.param-dtype auto on CPU: bf16 only where it was measured faster
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_compute_dtype_is_bf16_on_cpu_only_with_amx_at_real_sizes(monkeypatch, amx):
+    from hflow.workers import fsdp
+
+    monkeypatch.setattr(fsdp, "cpu_has_amx", lambda: amx)
+    cpu = torch.device("cpu")
+    assert fsdp.auto_param_dtype(torch.device("cuda", 0), 64) == torch.bfloat16
+    assert fsdp.auto_param_dtype(cpu, 1024) == (torch.bfloat16 if amx else torch.float32)   # Qwen3-0.6B
+    assert fsdp.auto_param_dtype(cpu, 512) == torch.float32    # the embedded default, the tests' models
+    assert fsdp.auto_param_dtype(cpu) == torch.float32         # size unknown (the library used directly)
+    assert fsdp.mixed_precision(fsdp.FSDPConfig(), cpu).param_dtype == torch.float32
+
+
+def test_recipes_resolve_auto_for_the_policy_and_warn_of_bf16_without_amx(monkeypatch, tmp_path, capsys):
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from hflow.recipe import resolve_compute_dtypes
+    from hflow.workers import fsdp
+
+    def load_recipe_config(name):
+        spec = importlib.util.spec_from_file_location(f"dtype_recipe_{name}",
+                                                      Path(__file__).parents[1] / "recipes" / f"{name}.py")
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.Config()
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 1024}))
+    monkeypatch.setattr(fsdp, "cpu_has_amx", lambda: True)
+    cfg = load_recipe_config("ppo")
+    resolve_compute_dtypes(cfg, tmp_path, "cpu")
+    assert cfg.actor.fsdp.param_dtype == cfg.critic.fsdp.param_dtype == "bfloat16"
+    assert "--actor.fsdp.param-dtype auto: bfloat16 (this CPU has AMX" in capsys.readouterr().out
+
+    monkeypatch.setattr(fsdp, "cpu_has_amx", lambda: False)
+    cfg = load_recipe_config("ppo")
+    resolve_compute_dtypes(cfg, tmp_path, "cpu")
+    assert cfg.actor.fsdp.param_dtype == "float32" and capsys.readouterr().out == ""
+    cfg = load_recipe_config("grpo")
+    cfg.actor.fsdp.param_dtype = "bfloat16"   # asked for: kept, with a warning
+    resolve_compute_dtypes(cfg, tmp_path, "cpu")
+    assert cfg.actor.fsdp.param_dtype == "bfloat16"
+    assert "warning: --actor.fsdp.param-dtype bfloat16 on a CPU without AMX" in capsys.readouterr().out

@@ -200,8 +200,8 @@ def test_one_rank_and_two_ranks_train_the_same(tmp_path):
         one, two = (torch.load(tmp_path / f"{name}.pt")[agg] for name in ("one", two_ranks))
         for m1, m2 in zip(one["metrics"], two["metrics"]):
             assert m1.keys() == m2.keys() == {"actor/loss", "actor/clipfrac", "actor/grad_norm", "actor/lr",
-                                              "actor/skipped_steps"}
-            for key in m1:
+                                              "actor/skipped_steps", "memory/actor_peak_gib"}
+            for key in m1.keys() - {"memory/actor_peak_gib"}:   # the processes differ
                 assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), (key, m1, m2)
         assert max(m["actor/grad_norm"] for m in one["metrics"]) > 0.5  # clipping was active
         moved = 0.0

@@ -269,6 +269,10 @@ def test_cpu_profile_is_measured_and_plans_a_small_model(tmp_path):
     flow = dataflow("ppo", {"actor": shape, "critic": shape, "ref": shape, "reward": None})
     plans = Planner(flow, Workload(16, 64, 64, samples=4), hw, 4).plan()
     assert len(plans) == 5 and all(p.step_time > 0 for p in plans)
+    # the actor's KV cache is what hflow's engine takes on CPU (1 GiB), not all the memory left
+    from hflow.engine.config import DEFAULT_KV_CACHE_BYTES
+    caches = [m.kv_cache for p in plans for s in p.sets for m in s.models if m.kv_cache]
+    assert caches and max(caches) <= DEFAULT_KV_CACHE_BYTES == hw.kv_cache_cap, caches
 
 
 # -- the oracle: HybridFlow §8.3 ----------------------------------------------------------------------

@@ -9,8 +9,8 @@ from dist import PROGRAMS, torchrun
 from hflow.default.model import build_default
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-# keys that depend on wall-clock time, not on the computation
-TIMING = ("time/", "throughput/")
+# keys that depend on wall-clock time or the process, not on the computation
+TIMING = ("time/", "throughput/", "memory/")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Measuring a rank: the bytes its collectives receive, and the bytes its ops allocate.
+"""Measuring a rank: the bytes its collectives receive, the bytes its ops allocate, and its
+peak memory.
 
     with CollectiveBytes() as moved:
         ...                                    # moved.received, moved.calls
@@ -11,6 +12,7 @@ this rank received since its previous report as `comm/<role>_received_MiB`.
 from __future__ import annotations
 
 import os
+import resource
 import weakref
 from collections import defaultdict
 
@@ -124,3 +126,12 @@ class AllocatedBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._see(t, new=True)
         return out
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory so far, GiB: the most CUDA memory its tensors held on a GPU
+    (torch.cuda.max_memory_allocated), else its peak resident set (ru_maxrss, KiB on Linux):
+    everything the process holds, so on colocated ranks the models it shares it with too."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

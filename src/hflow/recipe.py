@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from hflow import algos
 from hflow.batch import Batch
@@ -42,6 +42,7 @@ from hflow.run import Run
 from hflow.scoring import check_same_tokenizer
 from hflow.validation import ConfigError
 from hflow.workers import check_batch_sizes, is_on_policy, rollout_log_probs_exact
+from hflow.workers.fsdp import FSDPConfig, resolve_param_dtype
 from hflow.workers.hybrid_engine import stop_token_ids
 
 # the roles trained by a config group other than --actor.*
@@ -117,6 +118,7 @@ def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm
               "model has never seen (it was warmed up on bare '27+82=' prompts): expect rewards near 0; drop "
               "--data.chat, or give a chat model with --model.path", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(base)
+    resolve_compute_dtypes(cfg, base, cluster.device_type)   # before anything reads them (old log-probs)
     warn_if_responses_cannot_stop(base)
     room = context_room(base, cfg.rollout)
     train, val = (load_prompts(cfg.data, tokenizer, split, room) for split in ("train", "val"))
@@ -135,6 +137,17 @@ def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm
                   PromptSampler(train, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed), None,
                   cluster.device_type, default)
     return dataclasses.replace(setup, reward_model=setup.scorer_dir(cluster, cfg.reward.model, "reward", "--reward.model"))
+
+
+def resolve_compute_dtypes(cfg, base: Path, device_type: str) -> None:
+    """Make every trained or frozen model's `--<role>.fsdp.param-dtype auto` concrete for the
+    policy's size on this machine (hflow.workers.fsdp.auto_param_dtype), in place."""
+    hidden = AutoConfig.from_pretrained(base).hidden_size
+    for field in dataclasses.fields(cfg):
+        part = getattr(cfg, field.name)
+        if isinstance(getattr(part, "fsdp", None), FSDPConfig):
+            part.fsdp = resolve_param_dtype(part.fsdp, torch.device(device_type), hidden,
+                                            f"--{field.name.replace('_', '-')}.fsdp.param-dtype")
 
 
 def base_policy(model, default=None) -> Path:

@@ -44,7 +44,8 @@ def main(cluster, _):
         # change the weights, then check the engine follows
         batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=g)
         metrics = actor.update(batch, pg_loss)[0]
-        assert set(metrics) == {"actor/loss", "actor/grad_norm", "actor/lr", "actor/skipped_steps"}, metrics
+        assert set(metrics) == {"actor/loss", "actor/grad_norm", "actor/lr", "actor/skipped_steps",
+                                "memory/actor_peak_gib"}, metrics
         batch = actor.generate(prompts, rollout)
         worst = max(actor.engine_vs_training())
         mask = batch["response_mask"].bool()

@@ -26,6 +26,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from hflow.engine.config import DEFAULT_KV_CACHE_BYTES
+
 GiB = 1024 ** 3
 GB = 1e9
 
@@ -53,6 +55,7 @@ class Hardware:
     efficiency: Efficiency = field(default_factory=Efficiency)
     cores: int = 0              # ranks a node runs at full speed at once (0: each device is its own: GPUs)
     background: float = 0.0     # others' runnable processes sharing those cores (0: a dedicated machine)
+    kv_cache_cap: float = 0.0   # bytes the engine's KV cache takes at most (0: what memory leaves, as on GPUs)
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(usable bytes/s, latency) of the slowest link a collective uses."""
@@ -181,4 +184,4 @@ def cpu_profile(devices_per_node: int, memory: float | None = None, threads_per_
     return Hardware("cpu", memory=memory, peak_flops=flops, memory_bandwidth=bandwidth,
                     nvlink_bandwidth=link, network_bandwidth=link, nvlink_latency=latency,
                     network_latency=latency, devices_per_node=devices_per_node, weight_bytes=4, cores=cores,
-                    background=background)
+                    background=background, kv_cache_cap=DEFAULT_KV_CACHE_BYTES)   # the engine's cap on CPU

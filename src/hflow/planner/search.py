@@ -312,6 +312,7 @@ class Planner:
                     if busy_before + fastest >= best_busy:
                         continue
                     kv = memory - states - extra
+                    kv = min(kv, hw.kv_cache_cap) if hw.kv_cache_cap else kv
                     running = min(per_replica, int(kv // per_sequence))
                     if running < 1:
                         continue

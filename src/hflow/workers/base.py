@@ -191,9 +191,10 @@ class ModelWorker:
         `loss_agg` says (see the module docstring). Returns the loss and metrics averaged over
         the optimizer steps (each step's are mini-batch-weighted means over all ranks; a metric
         named *_max is the maximum over everything instead), plus
-        grad_norm, lr (the learning rate of the last step) and skipped_steps (optimizer steps
+        grad_norm, lr (the learning rate of the last step), skipped_steps (optimizer steps
         skipped for a non-finite gradient norm), keyed "<role>/<name>" (e.g. actor/loss,
-        actor/clipfrac, critic/grad_norm).
+        actor/clipfrac, critic/grad_norm), and memory/<role>_peak_gib: the peak memory so far of
+        the largest of its processes (hflow.measure.peak_memory_gib).
         """
         if loss_agg not in algos.AGG_MODES:
             raise ValueError(f"unknown loss aggregation {loss_agg!r}; choose one of {algos.AGG_MODES}")
@@ -238,12 +239,15 @@ class ModelWorker:
                 totals["grad_norm"] += float(grad_norm)
                 steps += 1
         metrics = {k: v / steps for k, v in totals.items()}
-        if maxima:   # every rank logged the same keys: its loss function's
-            keys = sorted(maxima)
-            reduced = all_reduce_sum(torch.tensor([maxima[k] for k in keys]), self.mesh, op=dist.ReduceOp.MAX)
-            metrics |= dict(zip(keys, reduced.tolist()))
+        # the peak over the ranks too: what a machine must hold for this role's largest process
+        maxima["peak_memory_gib"] = measure.peak_memory_gib(self.device)
+        keys = sorted(maxima)   # every rank logged the same keys: its loss function's and the peak
+        reduced = all_reduce_sum(torch.tensor([maxima[k] for k in keys]), self.mesh, op=dist.ReduceOp.MAX)
+        metrics |= dict(zip(keys, reduced.tolist()))
+        peak = metrics.pop("peak_memory_gib")
         metrics["lr"], metrics["skipped_steps"] = lr, float(skipped)
         metrics = {f"{self.metric_prefix}/{k}": v for k, v in metrics.items()}
+        metrics[f"memory/{self.metric_prefix}_peak_gib"] = peak   # beside time/: not the computation's
         if measure.counting_enabled():
             metrics[f"comm/{self.metric_prefix}_received_MiB"] = measure.received_since_last_report() / 2**20
         return metrics

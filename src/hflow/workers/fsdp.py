@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ class FSDPConfig:
     """How a model is sharded, cast and offloaded."""
 
     param_dtype: str = "auto"
-    """compute dtype of the unsharded parameters: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16"""
+    """compute dtype of the unsharded parameters (fp32 master weights when trained): auto (bfloat16 on GPU; on CPU bfloat16 only with AMX and a model of hidden size >= 1024, where it measured 5-11x fp32's matmuls, else float32: without AMX bf16 ran 65x slower), float32, bfloat16"""
     reduce_dtype: str = "float32"
     """dtype of the gradient reduction"""
     cpu_offload: bool = False
@@ -56,12 +57,48 @@ class FSDPConfig:
     """ranks each parameter is sharded over; the model is replicated over the groups of that many consecutive ranks and their gradients all-reduced between them (HSDP; verl's fsdp_size). 1: replicated on every rank, as DDP. 0: auto: all the ranks on GPUs; on CPU 1 when the host's ranks' full copies of the model's training state (16 bytes a parameter when trained, its weights when frozen) fit in a quarter of its memory, else all the ranks (on CPU a gloo all-gather costs more than the memory it saves)"""
 
 
-def mixed_precision(cfg: FSDPConfig, device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 reduction on GPU; fp32 everywhere on CPU (no bf16 units there)."""
+# bf16 against fp32 matmuls (torch.mm, 2 threads, Qwen3-0.6B's shapes) on this project's 2-core
+# CPUs: with AMX, 5-11x faster at 512-4096 rows (2-4x at decode's 32-64 rows); on an AVX2-only
+# AMD EPYC, 1.9 against 126 GFLOP/s (65x slower: oneDNN has no bf16 kernel there). Below this
+# hidden size (the embedded default and the tests' models) fp32 stays the CPU's default, so that
+# their results are the same on CPUs with and without AMX.
+CPU_BF16_MIN_HIDDEN = 1024
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later): fast bf16 matmuls."""
+    return torch.cpu._is_amx_tile_supported()
+
+
+def auto_param_dtype(device: torch.device, hidden_size: int | None = None) -> torch.dtype:
+    """What --*.fsdp.param-dtype auto computes in: bf16 on GPUs; on CPU bf16 only where it was
+    measured faster (AMX, and a model of hidden size >= CPU_BF16_MIN_HIDDEN), else fp32."""
+    if device.type != "cpu":
+        return torch.bfloat16
+    fast = cpu_has_amx() and (hidden_size or 0) >= CPU_BF16_MIN_HIDDEN
+    return torch.bfloat16 if fast else torch.float32
+
+
+def resolve_param_dtype(cfg: FSDPConfig, device: torch.device, hidden_size: int, flag: str) -> FSDPConfig:
+    """`cfg` with an auto compute dtype made concrete for a model of `hidden_size`, saying so
+    where bf16 is chosen on a CPU, and warning where bf16 is asked for on a CPU without AMX."""
     if cfg.param_dtype == "auto":
-        param_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    else:
-        param_dtype = _DTYPES[cfg.param_dtype]
+        dtype = auto_param_dtype(device, hidden_size)
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            print(f"hflow: {flag} auto: bfloat16 (this CPU has AMX; hidden size {hidden_size} >= "
+                  f"{CPU_BF16_MIN_HIDDEN}), fp32 master weights and reductions", flush=True)
+        return dataclasses.replace(cfg, param_dtype=str(dtype).removeprefix("torch."))
+    if device.type == "cpu" and _DTYPES[cfg.param_dtype] in (torch.bfloat16, torch.float16) and not cpu_has_amx():
+        print(f"hflow: warning: {flag} {cfg.param_dtype} on a CPU without AMX "
+              f"({torch.backends.cpu.get_cpu_capability()}): its matmuls run far slower than fp32 here "
+              "(65x on an AVX2 EPYC); drop the flag for fp32", flush=True)
+    return cfg
+
+
+def mixed_precision(cfg: FSDPConfig, device: torch.device) -> MixedPrecisionPolicy:
+    """The compute dtype (auto: auto_param_dtype, for a model of unknown size) with the
+    reduction in --*.fsdp.reduce-dtype (fp32)."""
+    param_dtype = auto_param_dtype(device) if cfg.param_dtype == "auto" else _DTYPES[cfg.param_dtype]
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[cfg.reduce_dtype])
 
 
