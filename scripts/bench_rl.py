@@ -551,6 +551,8 @@ def main():
     ap.add_argument("--hflow-ranks", default="2,1", help="hflow configurations: ranks (x 2/ranks threads each)")
     ap.add_argument("--no-ppo", dest="ppo", action="store_false", help="skip hflow's PPO runs")
     ap.add_argument("--no-trl", dest="trl", action="store_false", help="skip TRL")
+    ap.add_argument("--no-comm", dest="comm", action="store_false",
+                    help="skip the extra counted run of each multi-rank configuration (comm/*)")
     ap.add_argument("--batch", type=int, default=16, help="prompts per step (equal/vary)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (equal/vary)")
     ap.add_argument("--cores", type=int, default=2)
@@ -610,7 +612,7 @@ def main():
             comm = {(algo, who, r): {k: v for k, v in run_hflow(spec, algo, r, args.cores // r, f"{who}-{algo}-{r}r-comm",
                                                                  count_comm=True, steps=2)[-1].items()
                                      if k.startswith("comm/")}
-                    for algo, who, r in runs if who == "hflow" and r > 1}
+                    for algo, who, r in runs if who == "hflow" and r > 1 and args.comm}
             peak = max(peak, matmul_peak(spec, args.cores))
             bandwidth = memory_bandwidth(args.cores)
             print(f"  matmul peak, best of before and after the runs: {peak:.0f} GFLOP/s; memory read "
