@@ -143,11 +143,10 @@ def resolve_compute_dtypes(cfg, base: Path, device_type: str) -> None:
     """Make every trained or frozen model's `--<role>.fsdp.param-dtype auto` concrete for the
     policy's size on this machine (hflow.workers.fsdp.auto_param_dtype), in place."""
     hidden = AutoConfig.from_pretrained(base).hidden_size
-    for field in dataclasses.fields(cfg):
-        part = getattr(cfg, field.name)
+    for name, part in vars(cfg).items():
         if isinstance(getattr(part, "fsdp", None), FSDPConfig):
             part.fsdp = resolve_param_dtype(part.fsdp, torch.device(device_type), hidden,
-                                            f"--{field.name.replace('_', '-')}.fsdp.param-dtype")
+                                            f"--{name.replace('_', '-')}.fsdp.param-dtype")
 
 
 def base_policy(model, default=None) -> Path:

@@ -35,4 +35,5 @@ else:
     assert_same(snapshot(model, opt), torch.load(os.path.join(ROOT, "snapshot_1.pt")))
     ck.save_checkpoint(ROOT, 2, state(model, opt, sched), extra={"step": 2})
     print(f"rank {RANK} resumed ok")
+dist.barrier()   # both ranks done with the save's collectives before the group goes
 dist.destroy_process_group()
