@@ -42,6 +42,13 @@ measured memory read bandwidth (a sum over 256 MiB). Floors count only the work 
 log-probs for GRPO (both sides skip them); for PPO the critic's values, plus the reference's and
 the actor's log-probs when a reference puts a KL in the reward (the default workload).
 
+`--model qwen3-0.6b`: equal/vary on Qwen3-0.6B's shape (hidden 1024, 28 layers, 16/8 heads of 128,
+MLP 3072, vocab 151,936, tied) with Qwen3's real tokenizer (tests/fixtures/qwen3), random weights
+built once under ~/.cache/hflow/bench/, prompts of 4-16 real word tokens, <= 32 new tokens
+(equal) or <= 64 (vary, mean ~28); bf16 on both sides where the CPU has AMX (else fp32, the
+faster there; --bf16 forces it), TRL at 32 sequences a micro-batch to fit 24 GiB. Peak memory
+per process is printed beside the phases.
+
     pip install -e '.[bench]'                                 # TRL; without it: hflow figures only
     python scripts/bench_rl.py --quick                        # a check that it all runs (~2 min)
     python scripts/bench_rl.py --workload vary --rounds 1 --steps 3
@@ -220,6 +227,8 @@ def prepare(name: str, args, root: Path) -> dict:
     (work / "bench_rl_reward.py").write_text(REWARD_MODULE)
     grpo, ppo = recipe_config("grpo"), recipe_config("ppo")
     spec = dict(name=name, work=str(work), steps=args.steps, lr=grpo.actor.optim.lr, extra=shlex.split(args.hflow_flags))
+    actor_bf16 = ["--actor.fsdp.param-dtype", "bfloat16"] if args.bf16 else []
+    critic_bf16 = ["--critic.fsdp.param-dtype", "bfloat16"] if args.bf16 else []
     if name == "default":
         from hflow.data import DataConfig, load_prompts
         from hflow.default import default_model_dir, default_policy_dir
@@ -234,22 +243,19 @@ def prepare(name: str, args, root: Path) -> dict:
         count = max(b for b, _, _ in shapes.values()) * args.steps
         rows = [{"prompt": p, "answer": a} for p, a in zip(train.prompts[:count], train.ground_truths[:count])]
         prompt_lens = [len(ids) for ids in train.prompt_ids[:count]]
-        bf16 = ["--actor.fsdp.param-dtype", "bfloat16"] if args.bf16 else []
-        spec.update(hflow_flags=bf16, reward="arithmetic", trl_reward="bench_rl_reward:trl_arithmetic",
-                    ppo_flags=["--algo.critic-warmup", "0"] + (["--critic.fsdp.param-dtype", "bfloat16"] if bf16 else []),
-                    ppo_ref=ppo.algo.kl_coef > 0)
+        spec.update(hflow_flags=actor_bf16, reward="arithmetic", trl_reward="bench_rl_reward:trl_arithmetic",
+                    ppo_flags=["--algo.critic-warmup", "0", *critic_bf16], ppo_ref=ppo.algo.kl_coef > 0)
     else:
         qwen3 = args.size.startswith("qwen3")
         workload = (QWEN3_WORKLOADS if qwen3 else WORKLOADS)[name]
+        model_dir = work / "model"
         if qwen3:   # the real tokenizer; the model in bf16, built once (a 0.6B build takes a minute)
             size = {**SIZES[args.size], "layers": args.layers or SIZES[args.size]["layers"]}
-            model_dir = work / "model"
             shutil.copytree(qwen3_model_dir(size, workload["eos_prob"]), model_dir)
             tokenizer = qwen3_tokenizer(model_dir)
             lengths, words = (4, 16), qwen3_words(tokenizer)
         else:
             tokenizer = build_tokenizer()
-            model_dir = work / "model"
             make_model(SIZES[args.size], workload["eos_prob"]).save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
             lengths, words = (8, 64), None
@@ -258,12 +264,11 @@ def prepare(name: str, args, root: Path) -> dict:
         shapes = {a: (args.batch, args.n, max_tokens) for a in ("grpo", "ppo")}
         rows = [{"prompt": p} for p in random_prompts(tokenizer, args.batch * args.steps, lengths=lengths, words=words)]
         prompt_lens = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]
-        bf16 = ["--actor.fsdp.param-dtype", "bfloat16", "--critic.fsdp.param-dtype", "bfloat16"] if args.bf16 else []
         spec.update(note=f"random prompts of {lengths[0]}-{lengths[1]} tokens", reward="bench_rl_reward:score",
                     trl_reward="bench_rl_reward:trl_score", lr=1e-6, hflow_flags=[
                         "--data.train-files", str(work / "prompts.jsonl"), "--data.answer-key", "",
-                        "--actor.optim.lr", "1e-6", *bf16[:2]],
-                    ppo_flags=["--algo.kl-coef", "0", "--algo.critic-warmup", "0", *bf16[2:]], ppo_ref=False)
+                        "--actor.optim.lr", "1e-6", *actor_bf16],
+                    ppo_flags=["--algo.kl-coef", "0", "--algo.critic-warmup", "0", *critic_bf16], ppo_ref=False)
     spec.update(bf16=args.bf16, trl_micro=args.trl_micro_batch)
     with open(work / "prompts.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -335,6 +340,8 @@ def trl_worker(spec_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from hflow.measure import peak_memory_gib
+
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     batch, n, max_tokens = spec["shapes"]["grpo"]
@@ -395,7 +402,7 @@ def trl_worker(spec_path: str) -> None:
                 "time/log_probs_s": acc.get("old", 0.0), "time/update_s": step - acc["gas"],
                 "response_length/mean": acc["tokens"] / (batch * n), "response_length/max": acc["longest"],
                 "prompt_tokens": acc["prompt_tokens"],
-                "memory/actor_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}) + "\n")
+                "memory/actor_peak_gib": peak_memory_gib(torch.device("cpu"))}) + "\n")   # as hflow's metric
             log.flush()
 
     trainer.add_callback(StepTimer())

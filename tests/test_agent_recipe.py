@@ -11,11 +11,11 @@ import pytest
 
 from dist import PROGRAMS, torchrun
 from test_agent_rollout import ending_turns_model
+from test_recipes import TIMING
 from hflow.default.model import build_default
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "agent.py")
 ENVS = os.path.join(PROGRAMS, "agent_envs.py")
-TIMING = ("time/", "throughput/", "memory/")
 
 
 @pytest.fixture(scope="module")

@@ -84,20 +84,15 @@ def test_auto_compute_dtype_is_bf16_on_cpu_only_with_amx_at_real_sizes(monkeypat
 
 
 def test_recipes_resolve_auto_for_the_policy_and_warn_of_bf16_without_amx(monkeypatch, tmp_path, capsys):
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
+
+    from test_readme import recipe_config
 
     from hflow.recipe import resolve_compute_dtypes
     from hflow.workers import fsdp
 
     def load_recipe_config(name):
-        spec = importlib.util.spec_from_file_location(f"dtype_recipe_{name}",
-                                                      Path(__file__).parents[1] / "recipes" / f"{name}.py")
-        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.Config()
+        return recipe_config(name)()
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 1024}))
     monkeypatch.setattr(fsdp, "cpu_has_amx", lambda: True)

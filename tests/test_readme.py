@@ -51,10 +51,11 @@ COMMANDS = commands()
 
 
 def recipe_config(name: str):
+    """recipes/<name>.py's Config class (None for a recipe without one)."""
     spec = importlib.util.spec_from_file_location(f"readme_recipe_{name}", ROOT / "recipes" / f"{name}.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # dataclasses look it up
     spec.loader.exec_module(module)
-    return module.Config
+    return getattr(module, "Config", None)
 
 
 def recipe_invocations() -> list[tuple[str, list[str], str]]:
@@ -90,16 +91,14 @@ def recipe_flags() -> set[str]:
     """Every flag of every recipe (booleans also as --x.no-y)."""
     flags = set()
     for path in sorted((ROOT / "recipes").glob("*.py")):
-        spec = importlib.util.spec_from_file_location(f"readme_flags_{path.stem}", path)
-        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if not hasattr(module, "Config"):
+        config = recipe_config(path.stem)
+        if config is None:
             continue
-        for field_path, value in fields_of(module.Config()):
+        for field_path, value in fields_of(config()):
             flags.add(flag(field_path))
             if isinstance(value, bool):
                 flags.add(flag(field_path[:-1] + ("no_" + field_path[-1],)))
-        for f in dataclasses.fields(module.Config):   # a whole group named, e.g. --actor.lora.*
+        for f in dataclasses.fields(config):   # a whole group named, e.g. --actor.lora.*
             flags.add(flag((f.name,)))
     return flags
 

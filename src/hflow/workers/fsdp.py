@@ -19,8 +19,8 @@ gather inside small groups (see hflow/reshard.py). The math of training does not
 from __future__ import annotations
 
 import contextlib
-import os
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
