@@ -159,20 +159,24 @@ def grpo_loss(log_probs, mb, entropy=None, *, algo: GRPOConfig, correction: algo
     return loss, metrics
 
 
-def sample(actor, sampler, rewards, cfg: Config, algo: GRPOConfig, step: int, dp: int):
+def sample(actor, sampler, rewards, cfg: Config, algo: GRPOConfig, step: int, dp: int, rollouts=None):
     """This step's responses and their scores (with DAPO's overlong penalty) and the scorer's
     metrics. With dynamic sampling, only the groups whose scores differ, from as many rounds of
-    `data.batch-size` prompts as it takes to fill the batch (at most --algo.max-sampling-rounds)."""
+    `data.batch-size` prompts as it takes to fill the batch (at most --algo.max-sampling-rounds).
+    With a rollout group (`rollouts`, hflow.asynchronous), the batch it generated for this step."""
     n, batch_size = cfg.rollout.n, cfg.data.batch_size
     rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
     kept, kept_scores, metrics = [], [], {}
     for r in range(rounds):
         # a seed per (step, round): a resumed run draws what the uninterrupted one drew
         rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step * rounds + r)
-        batch = actor.generate(prompt_batch(next(sampler)), rollout)
+        if rollouts is not None:   # generated ahead, while earlier steps trained
+            batch, metrics = rollouts.take(step)
+        else:
+            batch = actor.generate(prompt_batch(next(sampler)), rollout)
         scores, round_metrics = rewards(batch)
         if r == 0:   # the first round's metrics: the policy's reward, unfiltered
-            metrics = round_metrics
+            metrics |= round_metrics
         if algo.overlong_buffer:   # DAPO: a soft penalty near the length cap, not a cliff at it
             scores = scores + algos.overlong_penalty(batch["response_mask"].sum(-1), cfg.rollout.max_tokens,
                                                      algo.overlong_buffer, algo.overlong_penalty)
@@ -194,12 +198,17 @@ def main(cluster: hflow.Cluster, cfg: Config):
     algo = resolve_algo(cfg.algo, cfg.rollout.max_tokens)
     # split: the models that only read (reference, reward model) on ranks of their own
     sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward)]
-    setup = set_up(cluster, cfg, sets, algo="grpo", default=EMBEDDED)   # every input checked, then the warm-up
+    if algo.dynamic_sampling and cfg.trainer.async_steps:
+        raise ConfigError("--algo.dynamic-sampling samples more prompts until the batch is full, which a pipeline "
+                          "of --trainer.async-steps cannot know ahead: use one or the other")
+    # every input checked, then the warm-up; a rollout group of its own with --trainer.async-steps
+    setup = set_up(cluster, cfg, sets, algo="grpo", default=EMBEDDED, asynchronous=True)
     placement, dp = setup.placement, len(setup.placement["actor"])
     rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
-    run = setup.run(actor, rewards, trained={"actor": actor})
+    rollouts = setup.rollouts(cluster, actor)   # None: the actor's own engine generates
+    run = setup.run(actor, rewards, trained={"actor": actor}, state={"rollouts": rollouts} if rollouts else None)
     # a KL in the reward needs the sampling policy's log-probs before the update
     old = setup.old_log_probs(kl_in_reward=ref is not None and algo.kl_in_reward)
     loss_fn = functools.partial(grpo_loss, algo=algo, correction=old.correction)
@@ -209,7 +218,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     for step in run.steps():
         with timer("step"):
             with timer("generate"):
-                batch, scores, metrics = sample(actor, setup.sampler, rewards, cfg, algo, step, dp)
+                batch, scores, metrics = sample(actor, setup.sampler, rewards, cfg, algo, step, dp, rollouts)
             if len(batch):   # (dynamic sampling may keep no group at all: nothing to learn this step)
                 mask = batch["response_mask"]
                 with timer("log_probs"):
@@ -225,6 +234,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 batch["advantages"] = estimator(token_rewards, mask, groups, gamma=algo.gamma)
                 with timer("update"):
                     metrics |= actor.update(batch, loss_fn, loss_agg=algo.loss_agg)[0]
+            if rollouts:   # the new weights to the rollout group, behind the generations already issued
+                rollouts.push(step)
         run.end_step(step, metrics | step_metrics(batch, timer.pop()))
     run.finish()
     rewards.close()

@@ -85,4 +85,6 @@ class TrainerConfig:
     """Export the final actor as a Hugging Face directory (output_dir/actor_hf)."""
     placement: str = "colocate"
     """colocate (every model on every rank), split (the recipe's two natural sets of models, each on ranks of its own: the actor's side and the other side; the recipe's docstring says which), standalone (every model on ranks of its own), auto (the planner picks for this machine and logs why), or a SPEC of colocated sets of the run's models and their ranks, e.g. actor,ref:0-1;reward:2 (a wrong SPEC is refused with the run's models listed)."""
+    async_steps: int = 0
+    """Asynchronous RL (recipes/grpo.py): generate the samples of the next k steps on a rollout group of ranks of its own while this step trains, so a sample is at most k policy versions old (0: synchronous; the rollout group is then used only if the placement names it). Needs --trainer.placement split, standalone or a SPEC with a rollout set; the engine's log-probs are then the behaviour policy, corrected by --algo.rollout-correction (auto: tis)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -33,6 +33,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from hflow import algos
+from hflow.asynchronous import ROLE as ROLLOUT_ROLE, AsyncRollouts, rollout_sets
 from hflow.batch import Batch
 from hflow.data import ContextRoom, PromptDataset, PromptSampler, load_prompts
 from hflow.engine import SUPPORTED_MODEL_TYPES
@@ -44,6 +45,7 @@ from hflow.validation import ConfigError
 from hflow.workers import check_batch_sizes, is_on_policy, rollout_log_probs_exact
 from hflow.workers.fsdp import FSDPConfig, resolve_param_dtype
 from hflow.workers.hybrid_engine import stop_token_ids
+from hflow.workers.rollout_group import Rollout
 
 # the roles trained by a config group other than --actor.*
 CRITIC_ROLES = ("critic", "cost_critic")
@@ -95,17 +97,37 @@ class Setup:
         check_same_tokenizer(value, self.tokenizer, flag)
         return value
 
+    def rollouts(self, cluster, actor) -> AsyncRollouts | None:
+        """The rollout group and the pipeline that feeds it (hflow.asynchronous) when the
+        placement has one; None when the actor generates."""
+        if ROLLOUT_ROLE not in self.placement:
+            return None
+        group = cluster.spawn(Rollout, self.actor_cfg, self.cfg.rollout, ranks=self.placement[ROLLOUT_ROLE])
+        trainer = self.cfg.trainer
+        # a checkpoint at the last step carries the next steps' samples, so that a raised --trainer.steps
+        # goes on as one longer run would; otherwise nothing is generated past the last step
+        saved_at_end = trainer.save_every and trainer.steps % trainer.save_every == 0
+        return AsyncRollouts(group, actor, self.sampler, self.cfg.rollout, trainer.async_steps,
+                             None if saved_at_end else trainer.steps)
+
     def old_log_probs(self, kl_in_reward: bool) -> "OldLogProbs":
         """Where this run's old log-probs come from (see OldLogProbs)."""
         return OldLogProbs.choose(self.cfg, self.device_type, kl_in_reward)
 
 
-def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm_up: bool = True) -> Setup:
+def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm_up: bool = True,
+           asynchronous: bool = False) -> Setup:
     """Check every input before any work (the policy directory, the scorers, the prompts, the
     placement of `sets`, the batch sizes against it), then warm up the embedded default policy
     (once, cached) unless `warm_up` is False, and train the default reward model if the run
-    asks for one. `algo` names the dataflow for --trainer.placement auto."""
+    asks for one. `algo` names the dataflow for --trainer.placement auto. A recipe that runs
+    hflow.asynchronous says so with `asynchronous`: its placement may then hold a rollout group."""
     model = cfg.model
+    async_steps = getattr(cfg.trainer, "async_steps", 0)
+    sets = rollout_sets(sets, cfg.trainer.placement, async_steps)
+    if not asynchronous and ["rollout"] in sets:
+        raise ConfigError("--trainer.async-steps / a rollout set in --trainer.placement: this recipe generates on "
+                          "the actor's ranks only (asynchronous RL: recipes/grpo.py)")
     if not cfg.trainer.logging.progress_bars:   # one switch for every bar: the phases' and the engine's
         os.environ["HFLOW_PROGRESS"] = "0"
         cfg.rollout.progress = False
@@ -212,10 +234,17 @@ class OldLogProbs:
     update     on-policy without a KL in the reward: the update's own detached log-probs are
                the old ones (ratio exactly 1), so no pass is spent on them;
     rollout    the engine's sampled-token log-probs (--algo.old-log-probs rollout, or auto when
-               the actor computes in fp32, where they equal a recomputation to ~1e-6, and no
-               correction is on: it would compare the engine's with themselves);
+               the actor computes in fp32, where they equal a recomputation to ~1e-6, the run is
+               synchronous and no correction is on: it would compare the engine's with
+               themselves);
     recompute  a forward pass of the actor (--algo.old-log-probs recompute, or auto in bf16,
-               where the engine's differ)."""
+               where the engine's differ).
+
+    Asynchronous (--trainer.async-steps above 0), the engine's log-probs are a stale policy's:
+    auto recomputes (or takes the update's own on-policy), and --algo.rollout-correction auto is
+    tis, which weighs each token by the capped ratio of the trainer's policy to the engine's —
+    AReaL's decoupled objective, the clip against the trainer's policy. An explicit
+    --algo.old-log-probs rollout with no correction clips against the stale policy instead."""
 
     def __init__(self, source: str, correction: algos.RolloutCorrection | None = None):
         self.source = source
@@ -228,7 +257,8 @@ class OldLogProbs:
         recipe has no such flags)."""
         algo = getattr(cfg, "algo", None)
         choice = getattr(algo, "old_log_probs", "auto")
-        exact = rollout_log_probs_exact(cfg.actor, device_type)
+        stale = getattr(getattr(cfg, "trainer", None), "async_steps", 0) > 0
+        exact = rollout_log_probs_exact(cfg.actor, device_type) and not stale
         mode = getattr(algo, "rollout_correction", "none")
         mode = ("none" if exact else "tis") if mode == "auto" else mode
         if mode != "none" and choice == "rollout":

@@ -34,6 +34,7 @@ from hflow.checkpoint import export_peft_adapter
 from hflow.dispatch import dispatch
 from hflow.faults import fault_point
 from hflow.lora import LoRAConfig
+from hflow.weight_sync import DEFAULT_BUCKET_BYTES, weight_manifest
 from hflow import layout
 from hflow.workers import packing
 from hflow.workers.log_probs import token_log_probs
@@ -179,6 +180,18 @@ class Actor(ModelWorker):
         """Put the engine to sleep: its KV cache and (unless rollout.free_weights_when_asleep
         is off) its weights are freed."""
         self._hybrid_engine().end()
+
+    @dispatch("one")
+    def weight_manifest(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every tensor push_weights sends, in order (hflow.weight_sync)."""
+        return weight_manifest(self.model)
+
+    @dispatch("all")
+    def push_weights(self, receivers: list[int], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
+        """Broadcast the current weights to a rollout group (workers/rollout_group.py) on the
+        ranks `receivers`, whose receive_weights must be issued with it; bucket by bucket from
+        this group's first rank. Returns push_s and push_bytes."""
+        return self._hybrid_engine().push(list(receivers), bucket_bytes)
 
     @dispatch("dp")
     def generate(self, prompts: Batch, rollout: RolloutConfig, with_greedy: bool = False) -> Batch:

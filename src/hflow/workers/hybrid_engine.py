@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import replace
 
 import torch
@@ -32,8 +33,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow.engine import LLM, SamplingParams
 from hflow.engine.sequence import RequestOutput
 from hflow.faults import fault_point
-from hflow.parallel import device_of, make_mesh
+from hflow.parallel import device_of, local_group, make_mesh
 from hflow.reshard import generation_mesh, generation_weights
+from hflow.weight_sync import joint_ranks, send_weights, weight_manifest
 from hflow.workers.fsdp import mixed_precision
 from hflow.workers.rollout import RolloutConfig
 
@@ -48,6 +50,7 @@ class HybridEngine:
         self.dtype = mixed_precision(fsdp_cfg, self.device).param_dtype or torch.float32
         self.llm = self.gen_mesh = None
         self.tp_size = 0
+        self.full_mesh = None   # the tp-1 generation mesh the weights are pushed from (push)
         self.open_rollout: RolloutConfig | None = None
         """the config begin() was given, until end(): the engine holds the weights of that moment"""
 
@@ -57,18 +60,7 @@ class HybridEngine:
             return self.llm
         self.llm = None  # free the engine of another tp size first
         self.gen_mesh = generation_mesh(self.train_mesh, cfg.tp_size, make_mesh)
-        options = {"max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
-                   "enable_prefix_caching": cfg.enable_prefix_caching,
-                   "gpu_memory_fraction": cfg.gpu_memory_fraction}
-        if cfg.kv_cache_bytes:
-            options["kv_cache_bytes"] = cfg.kv_cache_bytes
-        if cfg.max_model_len:
-            options["max_model_len"] = cfg.max_model_len
-        if cfg.tp_size > 1:
-            options["tp_group"] = self.gen_mesh.get_group("tp")
-        config = self.model.config
-        self.llm = LLM(config, dtype=self.dtype, device=self.device, eos_token_ids=stop_token_ids(self.model_path),
-                       **options)
+        self.llm = build_engine(self.model.config, self.model_path, self.dtype, self.device, self.gen_mesh, cfg)
         self.tp_size = cfg.tp_size
         return self.llm
 
@@ -102,31 +94,24 @@ class HybridEngine:
         if cfg.tp_size != self.open_rollout.tp_size:
             raise ValueError(f"sample with --rollout.tp-size {cfg.tp_size} in a rollout begun with "
                              f"{self.open_rollout.tp_size}")
-        llm = self.llm
-        # pool the prompts of the tp group: its engine runs them together
-        tp_group = self.gen_mesh.get_group("tp")
-        pooled = [None] * cfg.tp_size
-        if cfg.tp_size > 1:
-            dist.all_gather_object(pooled, prompts, group=tp_group)
-        else:
-            pooled = [prompts]
-        params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                max_tokens=cfg.max_tokens, seed=cfg.seed)
-        show = cfg.progress and self.train_mesh.get_local_rank() == 0
-        requests = [p for part in pooled for p in part]
-        fault_point("generate")
-        if with_greedy:
-            # a request of its own next to the samples': it shares the prompt's KV blocks through the
-            # prefix cache, and the samples' seeded streams do not change
-            greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_tokens, seed=cfg.seed)
-            outputs = llm.generate([p for p in requests for _ in range(2)], [params, greedy] * len(requests),
-                                   use_tqdm=show)
-            outputs = [_with_greedy(s, g) for s, g in zip(outputs[0::2], outputs[1::2])]
-        else:
-            outputs = llm.generate(requests, params, use_tqdm=show)
-        mine = self.gen_mesh.get_local_rank("tp")
-        start = sum(len(part) for part in pooled[:mine])
-        return outputs[start:start + len(prompts)]
+        return sample_on(self.llm, self.gen_mesh, prompts, cfg, with_greedy,
+                         show=cfg.progress and self.train_mesh.get_local_rank() == 0)
+
+    @torch.no_grad()
+    def push(self, receivers: list[int], bucket_bytes: int) -> dict[str, float]:
+        """Broadcast the current weights (in the engine's dtype, LoRA merged) from the actor's
+        first rank to a rollout group on `receivers` (hflow.weight_sync); every actor rank takes
+        part in the gathers. Returns the seconds it took and the bytes sent."""
+        began = time.perf_counter()
+        ranks = self.train_mesh.mesh.flatten().tolist()
+        source, me = ranks[0], dist.get_rank()
+        if self.full_mesh is None:
+            self.full_mesh = generation_mesh(self.train_mesh, 1, make_mesh)
+        group = local_group(joint_ranks(source, receivers)) if me == source else None
+        fault_point("handoff")
+        sent = send_weights(generation_weights(self.model, self.full_mesh, self.dtype), weight_manifest(self.model),
+                            group, source, bucket_bytes, is_source=me == source)
+        return {"push_s": time.perf_counter() - began, "push_bytes": float(sent)}
 
     def agent_engine(self, cfg: RolloutConfig) -> LLM:
         """The engine for a multi-turn rollout (workers/agent_rollout.py) on begin()'s weights.
@@ -148,6 +133,50 @@ class HybridEngine:
             raise RuntimeError("end_rollout without begin_rollout")
         self.llm.sleep(level=2 if self.open_rollout.free_weights_when_asleep else 1)
         self.open_rollout = None
+
+
+def build_engine(config, model_path: str, dtype: torch.dtype, device: torch.device, gen_mesh: DeviceMesh,
+                 cfg: RolloutConfig) -> LLM:
+    """An engine with uninitialised weights for `config`, with `cfg`'s engine settings, tensor-
+    parallel over the tp dim of `gen_mesh` (hflow.reshard.generation_mesh)."""
+    options = {"max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
+               "enable_prefix_caching": cfg.enable_prefix_caching, "gpu_memory_fraction": cfg.gpu_memory_fraction}
+    if cfg.kv_cache_bytes:
+        options["kv_cache_bytes"] = cfg.kv_cache_bytes
+    if cfg.max_model_len:
+        options["max_model_len"] = cfg.max_model_len
+    if cfg.tp_size > 1:
+        options["tp_group"] = gen_mesh.get_group("tp")
+    return LLM(config, dtype=dtype, device=device, eos_token_ids=stop_token_ids(model_path), **options)
+
+
+def sample_on(llm: LLM, gen_mesh: DeviceMesh, prompts: list[list[int]], cfg: RolloutConfig, with_greedy: bool,
+              show: bool) -> list[RequestOutput]:
+    """`cfg.n` samples of each of this rank's prompts (and a greedy one `with_greedy`) from an
+    engine tensor-parallel over gen_mesh's tp dim: the tp group pools its prompts, runs them
+    together with the same seeds, and each rank keeps its own prompts' outputs."""
+    tp_group = gen_mesh.get_group("tp")
+    pooled = [None] * cfg.tp_size
+    if cfg.tp_size > 1:
+        dist.all_gather_object(pooled, prompts, group=tp_group)
+    else:
+        pooled = [prompts]
+    params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            max_tokens=cfg.max_tokens, seed=cfg.seed)
+    requests = [p for part in pooled for p in part]
+    fault_point("generate")
+    if with_greedy:
+        # a request of its own next to the samples': it shares the prompt's KV blocks through the
+        # prefix cache, and the samples' seeded streams do not change
+        greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_tokens, seed=cfg.seed)
+        outputs = llm.generate([p for p in requests for _ in range(2)], [params, greedy] * len(requests),
+                               use_tqdm=show)
+        outputs = [_with_greedy(s, g) for s, g in zip(outputs[0::2], outputs[1::2])]
+    else:
+        outputs = llm.generate(requests, params, use_tqdm=show)
+    mine = gen_mesh.get_local_rank("tp")
+    start = sum(len(part) for part in pooled[:mine])
+    return outputs[start:start + len(prompts)]
 
 
 def _with_greedy(sampled: RequestOutput, greedy: RequestOutput) -> RequestOutput:

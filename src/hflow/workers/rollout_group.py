@@ -1,0 +1,92 @@
+"""The rollout role: a generation engine on ranks that do not train, fed by the actor's pushes.
+
+    rollout = cluster.spawn(Rollout, actor_cfg, cfg.rollout, ranks=placement["rollout"])
+    manifest = actor.weight_manifest()
+    pushed = actor.push_weights.future(rollout.ranks)                       # the actor's side
+    rollout.receive_weights(version, manifest, actor.ranks[0])             # both at once
+    batch = rollout.generate(prompts, rollout_cfg)   # + policy_version per row, rollout_busy_s / rollout_idle_s in meta
+
+Its engine stays awake between rollouts (nothing else uses these ranks) and keeps the last
+weights it received, with their policy version (the number of actor updates behind them), which
+every sample it generates records. hflow.asynchronous runs it ahead of training.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AutoConfig
+
+from hflow.batch import Batch
+from hflow.dispatch import dispatch
+from hflow.faults import fault_point
+from hflow.parallel import device_of, local_group, make_mesh
+from hflow.reshard import generation_mesh
+from hflow.weight_sync import DEFAULT_BUCKET_BYTES, Manifest, joint_ranks, receive_weights
+from hflow.workers.fsdp import mixed_precision
+from hflow.workers.hybrid_engine import build_engine, sample_on
+from hflow.workers.rollout import RolloutConfig, prompt_token_lists, rollout_batch
+
+
+class Rollout:
+    """The engine of one rollout rank, its (tp, dp) mesh over the rollout ranks, and the
+    policy version of the weights it holds (None until the first push)."""
+
+    def __init__(self, mesh: DeviceMesh, actor_cfg, rollout: RolloutConfig):
+        self.mesh, self.cfg = mesh, rollout
+        self.device = device_of(mesh)
+        # the engine computes in the actor's compute dtype, as the actor's own engine would
+        self.dtype = mixed_precision(actor_cfg.fsdp, self.device).param_dtype or torch.float32
+        self.config = AutoConfig.from_pretrained(actor_cfg.model_path)
+        self.gen_mesh = generation_mesh(mesh, rollout.tp_size, make_mesh)
+        self.llm = build_engine(self.config, actor_cfg.model_path, self.dtype, self.device, self.gen_mesh, rollout)
+        self.version: int | None = None
+        self.last_end = time.perf_counter()   # when the rollout last finished generating (idle since)
+
+    @classmethod
+    def check_arguments(cls, ranks: int, actor_cfg=None, rollout: RolloutConfig | None = None) -> None:
+        if rollout is not None and ranks % rollout.tp_size:
+            raise ValueError(f"--rollout.tp-size {rollout.tp_size} does not divide the rollout group's {ranks} ranks")
+
+    @dispatch("all")
+    @torch.no_grad()
+    def receive_weights(self, version: int, manifest: Manifest, source: int,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
+        """Load the weights the actor's rank `source` broadcasts (its push_weights, issued at
+        the same time) into the engine in place; they are policy `version`. Returns the
+        seconds this took, most of it waiting for the actor to finish its update."""
+        began = time.perf_counter()
+        group = local_group(joint_ranks(source, self.mesh.mesh.flatten().tolist()))
+        fault_point("handoff")
+        self.llm.load_weights(receive_weights(manifest, self.dtype, self.device, group, source, bucket_bytes))
+        self.version = version
+        return time.perf_counter() - began
+
+    @dispatch("dp")
+    def generate(self, prompts: Batch, rollout: RolloutConfig) -> Batch:
+        """`rollout.n` responses per prompt on the last weights received (see Actor.sample), each
+        row with its `policy_version`; meta `rollout_busy_s` (this call) and `rollout_idle_s`
+        (since the last one ended: waiting for weights or for the next call)."""
+        if self.version is None:
+            raise RuntimeError("Rollout.generate before any receive_weights: the engine holds no weights yet")
+        if rollout.tp_size != self.cfg.tp_size:
+            raise ValueError(f"generate with --rollout.tp-size {rollout.tp_size} on a rollout group built with "
+                             f"{self.cfg.tp_size}")
+        began = time.perf_counter()
+        token_lists = prompt_token_lists(prompts)
+        outputs = sample_on(self.llm, self.gen_mesh, token_lists, rollout, False,
+                            show=rollout.progress and self.mesh.get_local_rank() == 0)
+        pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        batch = rollout_batch(prompts, token_lists, outputs, rollout.n, pad_id, self.mesh, rollout.temperature)
+        batch["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
+        ended = time.perf_counter()
+        batch.meta.update(rollout_busy_s=ended - began, rollout_idle_s=began - self.last_end)
+        self.last_end = ended
+        return batch
+
+    @dispatch("one")
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's weights on the group's first rank (fused storage, as the engine keeps
+        them), for tests that compare them with the actor's."""
+        return {name: target.detach().clone() for name, (target, _) in self.llm.model.weight_targets().items()}
