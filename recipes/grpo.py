@@ -5,6 +5,8 @@
     torchrun --nproc-per-node 2 recipes/grpo.py --algo.clip-high 0.28 --algo.dynamic-sampling \
         --algo.overlong-buffer 2                                    # DAPO
     torchrun --nproc-per-node 2 recipes/grpo.py --algo.loss gspo    # GSPO
+    torchrun --nproc-per-node 2 recipes/grpo.py --trainer.async-steps 1 --trainer.placement split
+                                                                    # asynchronous: rank 1 generates ahead
     torchrun --nproc-per-node 8 recipes/grpo.py --model.path ~/models/Qwen2.5-0.5B-Instruct \
         --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
         --data.chat --reward.fn gsm8k
@@ -41,7 +43,10 @@ L tokens before `--rollout.max-tokens`).
 
 Supports: any supported Hugging Face causal LM, jsonl/parquet prompts, rule rewards or
 `module:function`, the estimators and losses above, DAPO, several PPO epochs and mini-batches,
-checkpoints and resume, colocated or split (reference on its own ranks) placement.
+checkpoints and resume, colocated or split (reference on its own ranks) placement, and
+asynchronous steps (`--trainer.async-steps k`: a rollout group on ranks of its own generates the
+next k steps' samples while this one trains, each sample at most k policy versions old, the
+engine's log-probs corrected as --algo.rollout-correction says; hflow/asynchronous.py).
 Not (yet): reward models, DAPO's overlong filtering (masking truncated responses out of the loss),
 multi-turn rollouts.
 """

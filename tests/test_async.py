@@ -6,7 +6,6 @@ import time
 import uuid
 
 import pytest
-import torch
 
 from dist import PROGRAMS, run_ranks, torchrun
 from hflow.asynchronous import rollout_sets

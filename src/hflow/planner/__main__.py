@@ -21,6 +21,7 @@ import dataclasses
 import sys
 import time
 
+from hflow.planner.asynchronous import AsyncPlan, async_plans
 from hflow.planner.fsdp import FSDPPlanner
 from hflow.planner.hardware import PROFILES, GiB, cpu_profile
 from hflow.planner.models import ALGORITHMS, Workload, dataflow, model_shape
@@ -51,6 +52,9 @@ def parse_args(argv):
     plan.add_argument("--prompt-len", type=int, default=1024)
     plan.add_argument("--response-len", type=int, default=1024)
     plan.add_argument("--updates", type=int, default=1, help="optimizer steps a training stage (mini-batches x epochs; the recipes' default: 1)")
+    plan.add_argument("--async", dest="asynchronous", action="store_true",
+                      help="also price asynchronous steps: generation on a rollout group of its own, overlapped "
+                           "with training (hflow's --trainer.async-steps)")
     plan.add_argument("--top", type=int, default=5, help="other partitions listed besides colocate/split/standalone")
     plan.add_argument("--layouts", default="megatron", choices=["megatron", "hflow"],
                       help="the paper's (p, t, d), or hflow's FSDP2 + engine (what --trainer.placement auto prices)")
@@ -145,7 +149,25 @@ def main(argv=None) -> int:
     missing = [k for k in ("colocate", "split", "standalone") if k not in named and k != kind(best, roles)]
     if missing:
         print(f"  (does not fit: {', '.join(missing)})")
+    if args.asynchronous:
+        print("\n".join(describe_async(async_plans(planner), best)))
     return 0
+
+
+def describe_async(plans: list[AsyncPlan], best: Plan) -> list[str]:
+    """The asynchronous splits against the chosen synchronous placement."""
+    if not plans:
+        return ["\nasynchronous: no split into a rollout and a training group fits"]
+    lines = ["\nasynchronous steps (a rollout group of its own; every other model on the training group):",
+             f"  {'split':<28}{'generate':>9}{'train':>8}{'push':>7}{'sync s':>8}{'async s':>9}{'vs chosen':>11}"]
+    for p in plans:
+        lines.append(f"  {p.name:<28}{p.generate:>9.1f}{p.train:>8.1f}{p.push:>7.2f}{p.sync:>8.1f}{p.overlapped:>9.1f}"
+                     f"{100 * (p.overlapped / best.step_time - 1):>+10.1f}%")
+    fastest = plans[0]
+    verdict = "beats" if fastest.overlapped < best.step_time else "does not beat"
+    lines.append(f"  the fastest asynchronous split ({fastest.name}, {fastest.overlapped:.1f} s) {verdict} the chosen "
+                 f"synchronous placement ({best.step_time:.1f} s)")
+    return lines
 
 
 if __name__ == "__main__":
