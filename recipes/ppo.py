@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 recipes/ppo.py                      # the embedded default task
     torchrun --nproc-per-node 4 recipes/ppo.py --trainer.placement split   # critic on its own ranks
     torchrun --nproc-per-node 2 recipes/ppo.py --reward.model default      # a learned reward model only
+    torchrun --nproc-per-node 2 recipes/ppo.py --trainer.async-steps 1 --trainer.placement "actor,ref,critic:0;rollout:1"
     torchrun --nproc-per-node 8 recipes/ppo.py --model.path ~/models/Qwen2.5-0.5B-Instruct \
         --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
         --data.chat --reward.fn gsm8k --rollout.max-tokens 512 --actor.optim.lr 1e-6
@@ -114,7 +115,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
     algo = cfg.algo
     # a reward model sits with the critic: when split, both work while the actor generates or trains
     sets = [["actor", "ref"] if algo.kl_coef > 0 else ["actor"], ["critic", *reward_roles(cfg.reward)]]
-    setup = set_up(cluster, cfg, sets, algo="ppo", default=EMBEDDED)   # every input checked, then the warm-up
+    # every input checked, then the warm-up; a rollout group of its own with --trainer.async-steps
+    setup = set_up(cluster, cfg, sets, algo="ppo", default=EMBEDDED, asynchronous=True)
     placement, sampler = setup.placement, setup.sampler
     rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
     kl_ctrl = algos.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) \
@@ -124,8 +126,9 @@ def main(cluster: hflow.Cluster, cfg: Config):
     critic = cluster.spawn(Critic, cfg.critic, setup.model_dir, ranks=placement["critic"])
     # held-out accuracy is the rule's, also when a reward model (a proxy) gives the training score
     warm = f"steps 1..{algo.critic_warmup} train the critic only (--algo.critic-warmup)" if algo.critic_warmup else ""
-    run = setup.run(actor, rewards, trained={"actor": actor, "critic": critic}, state={"kl_ctrl": kl_ctrl},
-                    notes=warm)
+    rollouts = setup.rollouts(cluster, actor)   # None: the actor's own engine generates
+    run = setup.run(actor, rewards, trained={"actor": actor, "critic": critic},
+                    state={"kl_ctrl": kl_ctrl, **({"rollouts": rollouts} if rollouts else {})}, notes=warm)
     # a KL in the reward needs the sampling policy's log-probs before the update
     old = setup.old_log_probs(kl_in_reward=ref is not None and not algo.kl_loss)
 
@@ -133,9 +136,13 @@ def main(cluster: hflow.Cluster, cfg: Config):
     for step in run.steps():
         with timer("step"):
             with timer("generate"):
-                rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
-                batch = actor.generate(prompt_batch(next(sampler)), rollout)
+                if rollouts:   # generated ahead on the rollout group, while earlier steps trained
+                    batch, pipeline = rollouts.take(step)
+                else:
+                    rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
+                    batch, pipeline = actor.generate(prompt_batch(next(sampler)), rollout), {}
             scores, metrics = rewards(batch)
+            metrics |= pipeline
             with timer("log_probs"):   # the groups work at the same time where they sit on different ranks
                 parts = [critic.values.future(batch)] + ([ref.log_probs.future(batch, temperature)] if ref else [])
                 batch = gather(batch, parts + old.pending(actor, batch, temperature))
@@ -159,6 +166,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
                                                 correction=old.correction)
                     metrics |= actor.update(batch, loss_fn, with_entropy=algo.entropy_coef > 0)[0]
                 metrics |= critic_update.result()[0]
+            if rollouts:   # the new weights to the rollout group, behind the generations already issued
+                rollouts.push(step)
         if ref:   # the adaptive controller moves beta towards --algo.kl-target (the fixed one ignores this)
             kl_ctrl.update(metrics["kl/mean"], len(batch))
         metrics["values/mean"] = algos.masked_mean(batch["values"], mask).item()

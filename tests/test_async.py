@@ -87,6 +87,19 @@ def test_async_zero_is_a_synchronous_step_on_a_rollout_group_of_its_own(tiny_mod
 
 
 @pytest.mark.dist
+def test_ppo_trains_on_samples_one_version_stale_with_its_critic_beside_the_actor(tiny_model, tmp_path):
+    out = tmp_path / "ppo"
+    torchrun(str(RECIPES / "ppo.py"), 2, small_run(tiny_model, out, 4, "--trainer.no-export", *PARITY,
+                                                   "--algo.critic-warmup", 0, "--trainer.async-steps", 1,
+                                                   "--trainer.placement", "actor,ref,critic:0;rollout:1"),
+             timeout=400, env={"PYTHONPATH": PROGRAMS}).check()
+    logged = rows(out)[1:]
+    assert [row["async/policy_version"] for row in logged] == [0, 0, 1, 2]
+    assert [row["async/staleness_max"] for row in logged] == [0, 1, 1, 1]
+    assert all("critic/loss" in row and "actor/mismatch/is_weight_mean" in row for row in logged)
+
+
+@pytest.mark.dist
 def test_a_resumed_async_run_trains_on_the_samples_the_uninterrupted_one_did(tiny_model, tmp_path):
     """The checkpoint after step 2 holds steps 3 and 4's generated batches; the resumed run takes
     them, then generates on as the straight run did (same prompts, seeds and weights)."""
@@ -125,7 +138,7 @@ def test_a_fault_in_either_group_ends_the_async_run_within_the_bound(tiny_model,
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["colocate", "dynamic sampling", "ppo"])
+@pytest.mark.parametrize("case", ["colocate", "dynamic sampling", "remax"])
 def test_async_flags_a_run_cannot_honour_are_refused_before_work(tiny_model, tmp_path, case):
     recipe, extra = "grpo", ["--trainer.async-steps", "1"]
     if case == "colocate":
@@ -134,7 +147,7 @@ def test_async_flags_a_run_cannot_honour_are_refused_before_work(tiny_model, tmp
         extra += [*ASYNC_SPLIT, "--algo.dynamic-sampling"]
         expected = "--algo.dynamic-sampling"
     else:
-        recipe, expected = "ppo", "this recipe generates on the actor's ranks only"
+        recipe, expected = "remax", "this recipe generates on the actor's ranks only"
         extra += [*ASYNC_SPLIT]
     run = torchrun(str(RECIPES / f"{recipe}.py"), 2, small_run(tiny_model, tmp_path / "out", 2, *extra), timeout=200)
     assert run.returncode != 0 and expected in run.output, run.output
