@@ -80,6 +80,18 @@ def test_samples_are_at_most_k_versions_stale_and_record_their_version(tiny_mode
 
 
 @pytest.mark.dist
+def test_a_rollout_group_of_two_ranks_generates_each_step_between_them(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    torchrun(str(RECIPES / "grpo.py"), 3, small_run(tiny_model, out, 3, "--trainer.no-export", *PARITY,
+                                                    "--trainer.async-steps", 1, "--trainer.placement",
+                                                    "actor:0;rollout:1-2"),
+             timeout=400, env={"PYTHONPATH": PROGRAMS}).check()
+    logged = rows(out)[1:]
+    assert [row["async/policy_version"] for row in logged] == [0, 0, 1]
+    assert all(row["time/rollout_busy_s"] > 0 and len({row["reward/mean"]}) == 1 for row in logged)
+
+
+@pytest.mark.dist
 def test_async_zero_is_a_synchronous_step_on_a_rollout_group_of_its_own(tiny_model, tmp_path):
     logged = staleness_run(tiny_model, tmp_path / "out", 0, 3, "--trainer.placement", "actor:0;rollout:1")
     assert [row["async/policy_version"] for row in logged] == [0, 1, 2]

@@ -77,7 +77,12 @@ class AsyncRollouts:
         began = time.perf_counter()
         batch = self.ready.pop(step) if step in self.ready else self.in_flight.pop(step).result()
         metrics = {"time/wait_for_rollout_s": time.perf_counter() - began, **self._read_pushes()}
-        metrics |= {f"time/{key}": float(batch.meta[key]) for key in ("rollout_busy_s", "rollout_idle_s") if key in batch.meta}
+        # a group of several ranks: one value per dp shard; the busiest rank sets the pace, the group idles
+        # while all of its ranks do
+        for key, pick in (("rollout_busy_s", max), ("rollout_idle_s", min)):
+            if key in batch.meta:
+                value = batch.meta.pop(key)
+                metrics[f"time/{key}"] = float(pick(value) if isinstance(value, list) else value)
         staleness = (step - 1) - batch["policy_version"]
         fresh = staleness <= self.k
         metrics |= {"async/staleness_mean": staleness.float().mean().item(),
