@@ -45,7 +45,7 @@ the actor's log-probs when a reference puts a KL in the reward (the default work
 `--model qwen3-0.6b`: equal/vary on Qwen3-0.6B's shape (hidden 1024, 28 layers, 16/8 heads of 128,
 MLP 3072, vocab 151,936, tied) with Qwen3's real tokenizer (tests/fixtures/qwen3), random weights
 built once under ~/.cache/hflow/bench/, prompts of 4-16 real word tokens, <= 32 new tokens
-(equal) or <= 64 (vary, mean ~28); bf16 on both sides where the CPU has AMX (else fp32, the
+(equal) or <= 64 (vary, mean ~28); bf16 on both sides where the CPU has AMX or AVX512-BF16 (else fp32, the
 faster there; --bf16 forces it), TRL at 32 sequences a micro-batch to fit 24 GiB. Peak memory
 per process is printed beside the phases.
 
@@ -568,7 +568,7 @@ def main():
     ap.add_argument("--layers", type=int, default=0, help="qwen3-0.6b with fewer decoder layers (a quick check)")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                     help="both sides in bf16 (TRL bf16=True; hflow --actor.fsdp.param-dtype bfloat16, fp32 master "
-                         "weights); default: on for qwen3-0.6b on a CPU with AMX, else off (fp32)")
+                         "weights); default: on for qwen3-0.6b on a CPU with AMX or AVX512-BF16, else off (fp32)")
     ap.add_argument("--trl-micro-batch", type=int, default=0,
                     help="TRL's per_device_train_batch_size (default 64; 32 at qwen3-0.6b, to fit 24 GiB)")
     ap.add_argument("--hflow-flags", default="", help="more flags for hflow's recipes, e.g. '--rollout.tp-size 2'")
@@ -582,11 +582,12 @@ def main():
         args.workload, args.steps, args.rounds, args.warmup = "equal", 2, 1, 1
     args.size = "quick" if args.quick else args.model
     qwen3 = args.model.startswith("qwen3")
-    from hflow.workers.fsdp import cpu_has_amx
+    from hflow.workers.fsdp import cpu_bf16_instructions
     if args.bf16 is None:   # as hflow's auto: bf16 on CPU only where it is fast (hflow.workers.fsdp)
-        args.bf16 = qwen3 and cpu_has_amx()
-    elif args.bf16 and not cpu_has_amx():
-        print("warning: --bf16 on a CPU without AMX: bf16 matmuls run far slower than fp32 here")
+        args.bf16 = qwen3 and cpu_bf16_instructions() is not None
+    elif args.bf16 and not cpu_bf16_instructions():
+        print("warning: --bf16 on a CPU without bf16 instructions (AMX, AVX512-BF16): bf16 matmuls run far "
+              "slower than fp32 here")
     args.trl_micro_batch = args.trl_micro_batch or (32 if qwen3 else 64)
     if args.trl and importlib.util.find_spec("trl") is None:
         print("TRL is not installed: hflow figures only (pip install -e '.[bench]' for the comparison)")

@@ -70,20 +70,20 @@ def test_engine_cli_defaults_to_bf16_on_cuda_and_fp32_on_cpu():
 
 # ---- --*.fsdp.param-dtype auto on CPU: bf16 only where it was measured faster
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_auto_compute_dtype_is_bf16_on_cpu_only_with_amx_at_real_sizes(monkeypatch, amx):
+@pytest.mark.parametrize("instructions", ["AMX", "AVX512-BF16", None])
+def test_auto_compute_dtype_is_bf16_on_cpu_only_with_bf16_instructions_at_real_sizes(monkeypatch, instructions):
     from hflow.workers import fsdp
 
-    monkeypatch.setattr(fsdp, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(fsdp, "cpu_bf16_instructions", lambda: instructions)
     cpu = torch.device("cpu")
     assert fsdp.auto_param_dtype(torch.device("cuda", 0), 64) == torch.bfloat16
-    assert fsdp.auto_param_dtype(cpu, 1024) == (torch.bfloat16 if amx else torch.float32)   # Qwen3-0.6B
+    assert fsdp.auto_param_dtype(cpu, 1024) == (torch.bfloat16 if instructions else torch.float32)   # Qwen3-0.6B
     assert fsdp.auto_param_dtype(cpu, 512) == torch.float32    # the embedded default, the tests' models
     assert fsdp.auto_param_dtype(cpu) == torch.float32         # size unknown (the library used directly)
     assert fsdp.mixed_precision(fsdp.FSDPConfig(), cpu).param_dtype == torch.float32
 
 
-def test_recipes_resolve_auto_for_the_policy_and_warn_of_bf16_without_amx(monkeypatch, tmp_path, capsys):
+def test_recipes_resolve_auto_for_the_policy_and_warn_of_bf16_without_bf16_instructions(monkeypatch, tmp_path, capsys):
     import json
 
     from test_readme import recipe_config
@@ -95,13 +95,13 @@ def test_recipes_resolve_auto_for_the_policy_and_warn_of_bf16_without_amx(monkey
         return recipe_config(name)()
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 1024}))
-    monkeypatch.setattr(fsdp, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(fsdp, "cpu_bf16_instructions", lambda: "AVX512-BF16")
     cfg = load_recipe_config("ppo")
     resolve_compute_dtypes(cfg, tmp_path, "cpu")
     assert cfg.actor.fsdp.param_dtype == cfg.critic.fsdp.param_dtype == "bfloat16"
-    assert "--actor.fsdp.param-dtype auto: bfloat16 (this CPU has AMX" in capsys.readouterr().out
+    assert "--actor.fsdp.param-dtype auto: bfloat16 (this CPU has AVX512-BF16" in capsys.readouterr().out
 
-    monkeypatch.setattr(fsdp, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(fsdp, "cpu_bf16_instructions", lambda: None)
     cfg = load_recipe_config("ppo")
     resolve_compute_dtypes(cfg, tmp_path, "cpu")
     assert cfg.actor.fsdp.param_dtype == "float32" and capsys.readouterr().out == ""
@@ -109,4 +109,4 @@ def test_recipes_resolve_auto_for_the_policy_and_warn_of_bf16_without_amx(monkey
     cfg.actor.fsdp.param_dtype = "bfloat16"   # asked for: kept, with a warning
     resolve_compute_dtypes(cfg, tmp_path, "cpu")
     assert cfg.actor.fsdp.param_dtype == "bfloat16"
-    assert "warning: --actor.fsdp.param-dtype bfloat16 on a CPU without AMX" in capsys.readouterr().out
+    assert "warning: --actor.fsdp.param-dtype bfloat16 on a CPU without bf16 instructions" in capsys.readouterr().out

@@ -26,6 +26,14 @@ so that a run extended with a larger --trainer.steps goes on exactly).
 The push blocks the actor until the rollout group is done with the generation it is running
 (the broadcast needs both sides): with one rollout and one training group of equal speed, the
 step takes max(generate, train) + push instead of generate + train.
+
+Partial rollouts (`partial`, --trainer.partial-rollouts): each push is also offered to the
+rollout group at once (a notice, not queued behind its generation), and the generation running
+joins it between two engine steps and continues every response with the new weights (its KV
+recomputed), so the actor waits one engine step instead of a whole generation and the rest of
+each response comes from a newer policy. A row's `policy_version` is then the version of its
+first token, which the bound above still holds for; each token's is in `token_policy_version`.
+Where the weights change depends on timing, so such runs do not repeat bit for bit.
 """
 from __future__ import annotations
 
@@ -42,11 +50,11 @@ ROLE = "rollout"
 
 class AsyncRollouts:
     def __init__(self, rollout, actor, sampler, rollout_cfg, async_steps: int, last_step: int | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, partial: bool = False):
         if async_steps < 0:
             raise ConfigError(f"--trainer.async-steps {async_steps}: must be >= 0")
         self.rollout, self.actor, self.sampler, self.cfg = rollout, actor, sampler, rollout_cfg
-        self.k, self.last_step, self.bucket_bytes = async_steps, last_step, bucket_bytes
+        self.k, self.last_step, self.bucket_bytes, self.partial = async_steps, last_step, bucket_bytes, partial
         self.manifest = actor.weight_manifest()
         self.pushed: int | None = None          # the version last pushed (None: nothing yet)
         self.ready: dict[int, Batch] = {}       # step -> its generated batch (restored on resume)
@@ -61,6 +69,8 @@ class AsyncRollouts:
         source = self.actor.ranks[0]
         self.pushes.append((self.actor.push_weights.future(self.rollout.ranks, self.bucket_bytes),
                             self.rollout.receive_weights.future(version, self.manifest, source, self.bucket_bytes)))
+        if self.partial:   # the generation running joins the push between two of its steps
+            self.rollout.offer_weights.future(version)
         self.pushed = version
 
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
@@ -89,6 +99,12 @@ class AsyncRollouts:
                     "async/staleness_max": staleness.max().item(),
                     "async/policy_version": batch["policy_version"].float().mean().item(),
                     "async/dropped_stale": float((~fresh).sum())}
+        if "token_policy_version" in batch:   # partial rollouts: responses continued on newer weights
+            mask = batch["response_mask"].bool()
+            versions = batch["token_policy_version"]
+            last = versions.masked_fill(~mask, -1).max(-1).values
+            metrics |= {"async/partial_fraction": (last > batch["policy_version"]).float().mean().item(),
+                        "async/token_staleness_mean": ((step - 1) - versions[mask]).float().mean().item()}
         return (batch if bool(fresh.all()) else batch[fresh]), metrics
 
     def _read_pushes(self) -> dict[str, float]:

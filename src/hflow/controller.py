@@ -111,7 +111,7 @@ class RemoteMethod:
         calls, ctx = scatter(self.mode, g.grid, to_cpu(args), to_cpu(kwargs), self.balance)
         tasks = {c.rank: Call(g.group_id, self.name, c.args, c.kwargs, c.returns) for c in calls}
         return g.cluster._issue(f"{g.worker_class.__name__}.{self.name}", tasks,
-                                lambda parts: gather(self.mode, g.grid, ctx, parts))
+                                lambda parts: gather(self.mode, g.grid, ctx, parts), notice=self.mode == "notice")
 
     def __repr__(self):
         return f"<{self.group.worker_class.__name__}.{self.name} @dispatch({self.mode!r}) " \
@@ -209,7 +209,9 @@ class Cluster:
         return WorkerGroup(self, group_id, worker_class, grid)
 
     # ---- issuing calls ---------------------------------------------------------------------
-    def _issue(self, what: str, tasks: dict[int, tuple], combine) -> Future:
+    def _issue(self, what: str, tasks: dict[int, tuple], combine, notice: bool = False) -> Future:
+        """Send each rank its task, numbered in this rank's order of calls; a `notice` (a
+        @dispatch("notice") call) is not numbered: it runs on arrival, beside the queue."""
         future = Future(what, list(tasks), combine)
         sent, error = [], None
         with self._lock:
@@ -217,15 +219,19 @@ class Cluster:
                 raise self._failure
             self._pending.add(future)
             for rank, task in tasks.items():   # under the lock: one total order of calls
-                seq = self._seq[rank]
-                self._seq[rank] += 1
-                self._outstanding[rank][seq] = (what, time.monotonic())
+                seq = None
+                if not notice:
+                    seq = self._seq[rank]
+                    self._seq[rank] += 1
+                    self._outstanding[rank][seq] = (what, time.monotonic())
                 if rank == self._server.rank:
                     # local: copy, so rank 0's worker never shares objects with the controller
-                    sent.append((rank, seq, self._server.submit(seq, _private_copy(task))))
+                    mine = _private_copy(task)
+                    sent.append((rank, seq, self._server.handle(("notice", mine)) if notice
+                                 else self._server.submit(seq, mine)))
                     continue
                 try:
-                    sent.append((rank, seq, transport.send(rank, ("task", seq, task))))
+                    sent.append((rank, seq, transport.send(rank, ("notice", task) if notice else ("task", seq, task))))
                 except Exception as e:   # e.g. the peer is already gone
                     error = RemoteError(rank, what, f"could not send the call to rank {rank}: "
                                         f"{e}\n(arguments must be picklable, and worker classes "

@@ -14,6 +14,13 @@ A worker method declares its mode with a decorator:
         @dispatch("one")         # the group's first rank only
         def state_summary(self): ...
 
+        @dispatch("notice")      # as "all", but delivered at once, beside a call still running
+        def offer(self, version): self.offered = version
+
+"notice" skips each rank's queue of calls (hflow.server runs the method on an RPC thread as soon
+as it arrives), so a long call that is running (a rollout) can see what it records between its
+steps. Such a method must only record something: no collectives, nothing that blocks.
+
 "dp" in detail, for a group of R ranks whose mesh has a "dp" dim of size D:
   - every Batch argument (positional or keyword; all must have the same length N) is padded to
     a multiple of D by repeating real rows, then cut into D equal shards of m = ceil(N/D) rows;
@@ -46,7 +53,7 @@ import torch
 
 from .batch import Batch
 
-MODES = ("all", "dp", "one")
+MODES = ("all", "dp", "one", "notice")
 _ATTR = "__hflow_dispatch__"
 
 
@@ -184,7 +191,7 @@ def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict,
             balance: RowCost | None = None) -> tuple[list[RankCall], Any]:
     """Per-rank arguments for a call, plus the context `gather` needs; `balance`: the row cost
     to even the shards' work by (dispatch's), or None."""
-    if mode == "all":
+    if mode in ("all", "notice"):
         return [RankCall(r, args, kwargs, True) for r in grid.ranks], None
     if mode == "one":
         return [RankCall(grid.ranks[0], args, kwargs, True)], None
@@ -223,7 +230,7 @@ def scatter(mode: str, grid: RankGrid, args: tuple, kwargs: dict,
 
 def gather(mode: str, grid: RankGrid, context, results: dict[int, Any]) -> Any:
     """Combine per-rank results (rank -> value) into what the controller's call returns."""
-    if mode == "all":
+    if mode in ("all", "notice"):
         return [results[r] for r in grid.ranks]
     if mode == "one":
         return results[grid.ranks[0]]

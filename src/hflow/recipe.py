@@ -102,13 +102,14 @@ class Setup:
         placement has one; None when the actor generates."""
         if ROLLOUT_ROLE not in self.placement:
             return None
-        group = cluster.spawn(Rollout, self.actor_cfg, self.cfg.rollout, ranks=self.placement[ROLLOUT_ROLE])
         trainer = self.cfg.trainer
+        group = cluster.spawn(Rollout, self.actor_cfg, self.cfg.rollout, trainer.partial_rollouts,
+                              ranks=self.placement[ROLLOUT_ROLE])
         # a checkpoint at the last step carries the next steps' samples, so that a raised --trainer.steps
         # goes on as one longer run would; otherwise nothing is generated past the last step
         saved_at_end = trainer.save_every and trainer.steps % trainer.save_every == 0
         return AsyncRollouts(group, actor, self.sampler, self.cfg.rollout, trainer.async_steps,
-                             None if saved_at_end else trainer.steps)
+                             None if saved_at_end else trainer.steps, partial=trainer.partial_rollouts)
 
     def old_log_probs(self, kl_in_reward: bool) -> "OldLogProbs":
         """Where this run's old log-probs come from (see OldLogProbs)."""
@@ -125,9 +126,16 @@ def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm
     model = cfg.model
     async_steps = getattr(cfg.trainer, "async_steps", 0)
     sets = rollout_sets(sets, cfg.trainer.placement, async_steps)
+    if getattr(cfg.trainer, "partial_rollouts", False):
+        if async_steps < 1:
+            raise ConfigError("--trainer.partial-rollouts continues a running generation on weights pushed while "
+                              "it runs: it needs --trainer.async-steps 1 or more")
+        if cfg.rollout.tp_size > 1:
+            raise ConfigError("--trainer.partial-rollouts with --rollout.tp-size > 1 is not supported (the "
+                              "tensor-parallel ranks would have to agree on the step the weights change at)")
     if not asynchronous and ["rollout"] in sets:
         raise ConfigError("--trainer.async-steps / a rollout set in --trainer.placement: this recipe generates on "
-                          "the actor's ranks only (asynchronous RL: recipes/grpo.py)")
+                          "the actor's ranks only (asynchronous RL: recipes/grpo.py, recipes/ppo.py)")
     if not cfg.trainer.logging.progress_bars:   # one switch for every bar: the phases' and the engine's
         os.environ["HFLOW_PROGRESS"] = "0"
         cfg.rollout.progress = False

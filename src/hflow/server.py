@@ -7,9 +7,11 @@ strictly in that order on a single thread, whatever order they arrive in. Since 
 runs its tasks in the order the one controller issued them, collectives inside worker methods
 (and process-group creation, which is collective) always line up across ranks.
 
-Two messages skip the queue and are answered on the RPC thread at once: `ping` (the
-controller's heartbeat, which also tells this rank the controller is alive) and `abort`
-(the run failed somewhere: exit non-zero now, even if the executor is stuck in a collective).
+Three messages skip the queue and are answered on the RPC thread at once: `ping` (the
+controller's heartbeat, which also tells this rank the controller is alive), `abort`
+(the run failed somewhere: exit non-zero now, even if the executor is stuck in a collective),
+and `notice` (a worker method marked @dispatch("notice"), which only records something, so that
+the call the executor is running can see it: a rollout told that new weights are ready).
 """
 from __future__ import annotations
 
@@ -92,7 +94,9 @@ class Server:
         if kind == "task":
             return self.submit(message[1], message[2])
         future = torch.futures.Future()
-        if kind == "ping":
+        if kind == "notice":
+            self.notice(message[1], future)
+        elif kind == "ping":
             self.last_ping = time.monotonic()
             future.set_result("pong")
         elif kind == "abort":
@@ -103,6 +107,16 @@ class Server:
         else:
             future.set_exception(ValueError(f"unknown message {kind!r}"))
         return future
+
+    def notice(self, call: Call, future: torch.futures.Future) -> None:
+        """Run a @dispatch("notice") method here and now, beside the executor's call."""
+        try:
+            worker = self.workers.get(call.group_id)
+            if worker is None:
+                raise RuntimeError(f"{call.method}: no worker of that group on rank {self.rank}")
+            future.set_result(("ok", getattr(worker, call.method)(*call.args, **call.kwargs)))
+        except Exception as e:
+            future.set_result(("err", self.rank, "".join(traceback.format_exception(e))))
 
     def submit(self, seq: int, task) -> torch.futures.Future:
         future = torch.futures.Future()

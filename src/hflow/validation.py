@@ -77,6 +77,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "kv_cache_bytes": _at_least(0, "KV-cache budget; 0: automatic"),
     "max_model_len": _at_least(0, "longest sequence; 0: the model's"),
     "critic_warmup": _at_least(0, "steps that train only the critic"),
+    "async_steps": _at_least(0, "steps generated ahead of training; 0: synchronous"),
     "overlong_buffer": _at_least(0, "tokens of the overlong penalty; 0: off"),
     # learning and sampling
     "lr": _positive("a learning rate"),

@@ -13,9 +13,6 @@ from hflow.dispatch import dispatch
 from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig, RolloutConfig
 from hflow.workers.rollout_group import Rollout
 
-path, dtype = sys.argv[1], sys.argv[2]
-
-
 def pg_loss(logp, mb, entropy=None):
     mask = mb["response_mask"]
     return -(mb["advantages"] * logp * mask).sum() / mask.sum(), {}
@@ -35,7 +32,7 @@ class CheckedRollout(Rollout):
         return {name: t.detach().clone() for name, (t, _) in self.llm.model.weight_targets().items()}
 
 
-def check_equal(actor, rollout, when: str) -> dict[str, torch.Tensor]:
+def check_equal(actor, rollout, when: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
     expect = actor.full_weights(dtype)[0]
     for rank, got in zip(rollout.ranks, rollout.all_engine_weights()):
         if "lm_head.weight" not in expect:   # tied: the engine's head is the embedding
@@ -49,6 +46,7 @@ def check_equal(actor, rollout, when: str) -> dict[str, torch.Tensor]:
 
 
 def main(cluster, _):
+    path, dtype = sys.argv[1], sys.argv[2]
     cfg = ActorConfig(model_path=path, optim=OptimConfig(lr=2e-2), fsdp=FSDPConfig(param_dtype=dtype))
     actor = cluster.spawn(CheckedActor, cfg, ranks=[0, 1])
     rollout_cfg = RolloutConfig(n=2, max_tokens=6, temperature=0.8, progress=False)
@@ -65,7 +63,7 @@ def main(cluster, _):
         sent = pushed.result()
         assert sent[0]["push_bytes"] > 0 and sent[1]["push_bytes"] == 0, sent   # one sender
         assert all(w >= 0 for w in waited)
-        weights = check_equal(actor, rollout, f"version {version}")
+        weights = check_equal(actor, rollout, f"version {version}", dtype)
         if previous is not None:   # the update changed them, and the push carried the change
             assert any(not torch.equal(weights[k], previous[k]) for k in weights)
         previous = weights

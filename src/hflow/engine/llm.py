@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -162,8 +162,19 @@ class LLM:
         this rank's shard already: a contiguous chunk of dim 0 for q/k/v/gate/up (weights and
         biases), of dim 1 for o_proj/down_proj weights. Norms, embeddings, lm_head and
         row-parallel biases are replicated: always the full tensor. Returns the names loaded.
+
+        Between two steps of unfinished requests (a partial rollout: the trainer's newer weights
+        arrive while it runs), every running sequence is preempted, so that the next steps
+        recompute its KV (prompt and tokens so far) with the new weights, and each unfinished
+        completion records where the weights changed (CompletionOutput.weight_changes).
         """
         targets, loaded = self.model.weight_targets(), set()
+        if self._requests:   # the cached KV of the running sequences is the old weights'
+            self.scheduler.preempt_all()
+            for seqs in self._requests.values():
+                for seq in seqs:
+                    if seq.status != Status.FINISHED:
+                        seq.weight_changes.append(seq.num_completion_tokens)
         self.runner.unpack_weights()
         for name, tensor in named_tensors:
             if name.endswith("rotary_emb.inv_freq"):
@@ -332,18 +343,19 @@ class LLM:
         first = seqs[0]
         return RequestOutput(first.request_id, first.token_ids[:first.num_prompt_tokens],
                              [CompletionOutput(s.sample_index, s.completion_token_ids, s.logprobs, s.finish_reason,
-                                               text(s.completion_token_ids)) for s in seqs],
+                                               text(s.completion_token_ids), s.weight_changes) for s in seqs],
                              num_cached_tokens=min(first.prompt_cached_tokens or 0, first.num_prompt_tokens - 1))
 
     # ---- a batch at once ----
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, between_steps: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Complete each prompt `params.n` times; outputs in prompt order, request ids 0, 1, ...
         A prompt is a string (tokenized with the engine's tokenizer, special tokens added as the
         tokenizer does) or a list of token ids; one prompt may be given alone. The engine must
         be idle (no request of add_request unfinished); after an error it is idle again, with
-        no cached prefixes."""
+        no cached prefixes. `between_steps()` runs after each step while requests remain (it
+        may load_weights: a partial rollout)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
@@ -367,6 +379,8 @@ class LLM:
                     outputs[out.request_id] = out
                     if bar is not None:
                         bar.update(len(out.outputs))
+                if between_steps is not None and self.has_unfinished():
+                    between_steps()
         except BaseException:
             self._abort_all()  # leave the engine usable: no blocks held, no stale prefixes
             raise

@@ -81,6 +81,12 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
 
+    def preempt_all(self) -> None:
+        """Every running sequence back to the waiting queue, in order, its KV to be recomputed
+        (new weights arrived between steps)."""
+        while self.running:
+            self._preempt(self.running.pop())
+
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         seq.status = Status.WAITING

@@ -64,6 +64,10 @@ class CompletionOutput:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     text: str | None = None
+    weight_changes: list[int] = field(default_factory=list)
+    """The token indices at which the engine's weights were replaced while this completion ran
+    (LLM.load_weights between steps): token t was sampled by the weights loaded
+    sum(c <= t for c in weight_changes) loads after the first. Empty when none were."""
 
 
 @dataclass
@@ -103,6 +107,7 @@ class Sequence:
     prompt_cached_tokens: int | None = None   # num_cached_tokens of the first prefill (a preemption reallocates)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    weight_changes: list[int] = field(default_factory=list)   # CompletionOutput.weight_changes
 
     def __len__(self) -> int:
         return len(self.token_ids)

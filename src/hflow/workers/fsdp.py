@@ -42,7 +42,7 @@ class FSDPConfig:
     """How a model is sharded, cast and offloaded."""
 
     param_dtype: str = "auto"
-    """compute dtype of the unsharded parameters (fp32 master weights when trained): auto (bfloat16 on GPU; on CPU bfloat16 only with AMX and a model of hidden size >= 1024, where it measured 5-11x fp32's matmuls, else float32: without AMX bf16 ran 65x slower), float32, bfloat16"""
+    """compute dtype of the unsharded parameters (fp32 master weights when trained): auto (bfloat16 on GPU; on CPU bfloat16 only with bf16 matmul instructions (AMX or AVX512-BF16) and a model of hidden size >= 1024, where it measured 2-11x fp32's matmuls, else float32: with neither, bf16 ran 65x slower), float32, bfloat16"""
     reduce_dtype: str = "float32"
     """dtype of the gradient reduction"""
     cpu_offload: bool = False
@@ -58,38 +58,44 @@ class FSDPConfig:
 
 
 # bf16 against fp32 matmuls (torch.mm, 2 threads, Qwen3-0.6B's shapes) on this project's 2-core
-# CPUs: with AMX, 5-11x faster at 512-4096 rows (2-4x at decode's 32-64 rows); on an AVX2-only
-# AMD EPYC, 1.9 against 126 GFLOP/s (65x slower: oneDNN has no bf16 kernel there). Below this
-# hidden size (the embedded default and the tests' models) fp32 stays the CPU's default, so that
-# their results are the same on CPUs with and without AMX.
+# CPUs: with AMX, 5-11x faster at 512-4096 rows (2-4x at decode's 32-64 rows); with AVX512-BF16
+# (an AMD EPYC, 2026-12-04), 2.0-2.9x at 32-2048 rows; on an AVX2-only AMD EPYC, 1.9 against 126
+# GFLOP/s (65x slower: oneDNN has no bf16 kernel there). Below this hidden size (the embedded
+# default and the tests' models) fp32 stays the CPU's default, so that their results are the
+# same on every CPU.
 CPU_BF16_MIN_HIDDEN = 1024
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later): fast bf16 matmuls."""
-    return torch.cpu._is_amx_tile_supported()
+def cpu_bf16_instructions() -> str | None:
+    """The CPU's bf16 matmul instructions oneDNN uses ("AMX": Intel Sapphire Rapids and later;
+    "AVX512-BF16": Intel Cooper Lake, AMD Zen 4 and later), or None where bf16 is emulated."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512-BF16"
+    return None
 
 
 def auto_param_dtype(device: torch.device, hidden_size: int | None = None) -> torch.dtype:
     """What --*.fsdp.param-dtype auto computes in: bf16 on GPUs; on CPU bf16 only where it was
-    measured faster (AMX, and a model of hidden size >= CPU_BF16_MIN_HIDDEN), else fp32."""
+    measured faster (bf16 instructions, and a model of hidden size >= CPU_BF16_MIN_HIDDEN), else fp32."""
     if device.type != "cpu":
         return torch.bfloat16
-    fast = cpu_has_amx() and (hidden_size or 0) >= CPU_BF16_MIN_HIDDEN
+    fast = cpu_bf16_instructions() is not None and (hidden_size or 0) >= CPU_BF16_MIN_HIDDEN
     return torch.bfloat16 if fast else torch.float32
 
 
 def resolve_param_dtype(cfg: FSDPConfig, device: torch.device, hidden_size: int, flag: str) -> FSDPConfig:
     """`cfg` with an auto compute dtype made concrete for a model of `hidden_size`, saying so
-    where bf16 is chosen on a CPU, and warning where bf16 is asked for on a CPU without AMX."""
+    where bf16 is chosen on a CPU, and warning where bf16 is asked for on a CPU without bf16 instructions."""
     if cfg.param_dtype == "auto":
         dtype = auto_param_dtype(device, hidden_size)
         if device.type == "cpu" and dtype == torch.bfloat16:
-            print(f"hflow: {flag} auto: bfloat16 (this CPU has AMX; hidden size {hidden_size} >= "
+            print(f"hflow: {flag} auto: bfloat16 (this CPU has {cpu_bf16_instructions()}; hidden size {hidden_size} >= "
                   f"{CPU_BF16_MIN_HIDDEN}), fp32 master weights and reductions", flush=True)
         return dataclasses.replace(cfg, param_dtype=str(dtype).removeprefix("torch."))
-    if device.type == "cpu" and _DTYPES[cfg.param_dtype] in (torch.bfloat16, torch.float16) and not cpu_has_amx():
-        print(f"hflow: warning: {flag} {cfg.param_dtype} on a CPU without AMX "
+    if device.type == "cpu" and _DTYPES[cfg.param_dtype] in (torch.bfloat16, torch.float16) and not cpu_bf16_instructions():
+        print(f"hflow: warning: {flag} {cfg.param_dtype} on a CPU without bf16 instructions (AMX, AVX512-BF16) "
               f"({torch.backends.cpu.get_cpu_capability()}): its matmuls run far slower than fp32 here "
               "(65x on an AVX2 EPYC); drop the flag for fp32", flush=True)
     return cfg

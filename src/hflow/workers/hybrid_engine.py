@@ -151,10 +151,11 @@ def build_engine(config, model_path: str, dtype: torch.dtype, device: torch.devi
 
 
 def sample_on(llm: LLM, gen_mesh: DeviceMesh, prompts: list[list[int]], cfg: RolloutConfig, with_greedy: bool,
-              show: bool) -> list[RequestOutput]:
+              show: bool, between_steps=None) -> list[RequestOutput]:
     """`cfg.n` samples of each of this rank's prompts (and a greedy one `with_greedy`) from an
     engine tensor-parallel over gen_mesh's tp dim: the tp group pools its prompts, runs them
-    together with the same seeds, and each rank keeps its own prompts' outputs."""
+    together with the same seeds, and each rank keeps its own prompts' outputs. `between_steps`:
+    LLM.generate's."""
     tp_group = gen_mesh.get_group("tp")
     pooled = [None] * cfg.tp_size
     if cfg.tp_size > 1:
@@ -170,10 +171,10 @@ def sample_on(llm: LLM, gen_mesh: DeviceMesh, prompts: list[list[int]], cfg: Rol
         # prefix cache, and the samples' seeded streams do not change
         greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_tokens, seed=cfg.seed)
         outputs = llm.generate([p for p in requests for _ in range(2)], [params, greedy] * len(requests),
-                               use_tqdm=show)
+                               use_tqdm=show, between_steps=between_steps)
         outputs = [_with_greedy(s, g) for s, g in zip(outputs[0::2], outputs[1::2])]
     else:
-        outputs = llm.generate(requests, params, use_tqdm=show)
+        outputs = llm.generate(requests, params, use_tqdm=show, between_steps=between_steps)
     mine = gen_mesh.get_local_rank("tp")
     start = sum(len(part) for part in pooled[:mine])
     return outputs[start:start + len(prompts)]

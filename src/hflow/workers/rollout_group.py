@@ -9,6 +9,12 @@
 Its engine stays awake between rollouts (nothing else uses these ranks) and keeps the last
 weights it received, with their policy version (the number of actor updates behind them), which
 every sample it generates records. hflow.asynchronous runs it ahead of training.
+
+Partial rollouts (`partial`): the controller also tells the group at once that a push has begun
+(offer_weights, a @dispatch("notice") call that does not wait behind the running generate);
+between two engine steps the generate joins that push, and the engine goes on with the new
+weights from where each response is (LLM.load_weights recomputes their KV). Each token then
+records the version that sampled it (`token_policy_version`); `policy_version` is a row's first.
 """
 from __future__ import annotations
 
@@ -33,8 +39,11 @@ class Rollout:
     """The engine of one rollout rank, its (tp, dp) mesh over the rollout ranks, and the
     policy version of the weights it holds (None until the first push)."""
 
-    def __init__(self, mesh: DeviceMesh, actor_cfg, rollout: RolloutConfig):
-        self.mesh, self.cfg = mesh, rollout
+    def __init__(self, mesh: DeviceMesh, actor_cfg, rollout: RolloutConfig, partial: bool = False):
+        if partial and rollout.tp_size > 1:
+            raise ValueError("partial rollouts with --rollout.tp-size > 1: the tensor-parallel ranks would have to "
+                             "agree on the step at which the weights change; not supported")
+        self.mesh, self.cfg, self.partial = mesh, rollout, partial
         self.device = device_of(mesh)
         # the engine computes in the actor's compute dtype, as the actor's own engine would
         self.dtype = mixed_precision(actor_cfg.fsdp, self.device).param_dtype or torch.float32
@@ -42,26 +51,47 @@ class Rollout:
         self.gen_mesh = generation_mesh(mesh, rollout.tp_size, make_mesh)
         self.llm = build_engine(self.config, actor_cfg.model_path, self.dtype, self.device, self.gen_mesh, rollout)
         self.version: int | None = None
+        self.offered = -1     # the newest version the actor is pushing or has pushed (offer_weights)
+        self.push_from: tuple | None = None   # (manifest, source, bucket_bytes): the same for every push
         self.last_end = time.perf_counter()   # when the rollout last finished generating (idle since)
 
     @classmethod
-    def check_arguments(cls, ranks: int, actor_cfg=None, rollout: RolloutConfig | None = None) -> None:
+    def check_arguments(cls, ranks: int, actor_cfg=None, rollout: RolloutConfig | None = None,
+                        partial: bool = False) -> None:
         if rollout is not None and ranks % rollout.tp_size:
             raise ValueError(f"--rollout.tp-size {rollout.tp_size} does not divide the rollout group's {ranks} ranks")
 
     @dispatch("all")
-    @torch.no_grad()
     def receive_weights(self, version: int, manifest: Manifest, source: int,
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
         """Load the weights the actor's rank `source` broadcasts (its push_weights, issued at
         the same time) into the engine in place; they are policy `version`. Returns the
-        seconds this took, most of it waiting for the actor to finish its update."""
+        seconds this took, most of it waiting for the actor to finish its update (0 when a
+        partial rollout took them already)."""
         began = time.perf_counter()
+        self.push_from = (manifest, source, bucket_bytes)
+        if self.version is None or self.version < version:
+            self._receive(version)
+        return time.perf_counter() - began
+
+    @dispatch("notice")
+    def offer_weights(self, version: int) -> None:
+        """The actor has begun to push `version` (runs at once, beside a running generate)."""
+        self.offered = max(self.offered, version)
+
+    @torch.no_grad()
+    def _receive(self, version: int) -> None:
+        manifest, source, bucket_bytes = self.push_from
         group = local_group(joint_ranks(source, self.mesh.mesh.flatten().tolist()))
         fault_point("handoff")
         self.llm.load_weights(receive_weights(manifest, self.dtype, self.device, group, source, bucket_bytes))
         self.version = version
-        return time.perf_counter() - began
+
+    def _take_offered(self) -> None:
+        """Between two engine steps of a partial rollout: join the pushes offered, one version
+        at a time (each is the actor's next broadcast)."""
+        while self.offered > self.version:
+            self._receive(self.version + 1)
 
     @dispatch("dp")
     def generate(self, prompts: Batch, rollout: RolloutConfig) -> Batch:
@@ -73,13 +103,21 @@ class Rollout:
         if rollout.tp_size != self.cfg.tp_size:
             raise ValueError(f"generate with --rollout.tp-size {rollout.tp_size} on a rollout group built with "
                              f"{self.cfg.tp_size}")
-        began = time.perf_counter()
+        began, first_version = time.perf_counter(), self.version
         token_lists = prompt_token_lists(prompts)
         outputs = sample_on(self.llm, self.gen_mesh, token_lists, rollout, False,
-                            show=rollout.progress and self.mesh.get_local_rank() == 0)
+                            show=rollout.progress and self.mesh.get_local_rank() == 0,
+                            between_steps=self._take_offered if self.partial else None)
         pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         batch = rollout_batch(prompts, token_lists, outputs, rollout.n, pad_id, self.mesh, rollout.temperature)
-        batch["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
+        batch["policy_version"] = torch.full((len(batch),), first_version, dtype=torch.long)
+        if self.partial:   # each load between steps is the next version, from that token on
+            versions = torch.full(batch["response_mask"].shape, first_version, dtype=torch.long)
+            changes = [sample.weight_changes for request in outputs for sample in request.outputs]
+            for row, at in enumerate(changes):
+                for t in at:
+                    versions[row, t:] += 1
+            batch["token_policy_version"] = versions
         ended = time.perf_counter()
         batch.meta.update(rollout_busy_s=ended - began, rollout_idle_s=began - self.last_end)
         self.last_end = ended
