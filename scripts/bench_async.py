@@ -7,7 +7,9 @@ fp32, lr 1e-6), hflow's recipes/grpo.py on R ranks in three placements:
     split       the actor on the first R/2 ranks, a rollout group on the rest, one waiting for
                 the other (--trainer.async-steps 0 with a rollout set in the SPEC);
     async-k     the same ranks, generation for the next k steps while this one trains
-                (--trainer.async-steps k).
+                (--trainer.async-steps k);
+    async-k-partial  the same with --trainer.partial-rollouts (--partial): a push is taken by the
+                generation running between two engine steps instead of after it.
 
 Per configuration: the median whole step, tokens/s, and each group's idle time a step: the
 actor's is its wait for the rollout group's batch (time/wait_for_rollout_s) plus its push of the
@@ -19,6 +21,7 @@ are against colocate and split of the same R, measured in the same run, alternat
 
     python scripts/bench_async.py                             # vary, 2 ranks, 2 rounds (~15 min idle)
     python scripts/bench_async.py --workload equal --ranks 2,4 --async-steps 1,2
+    python scripts/bench_async.py --async-steps 1 --partial   # + async-1-partial
     python scripts/bench_async.py --quick                     # a check that it all runs
 
 On a CPU with C cores the R ranks share them (C // R threads each; 4 ranks on 2 cores take
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_rl  # noqa: E402  (the workloads, the runs, the floors)
 
 
-def placements(ranks: int, async_steps: list[int]) -> list[tuple[str, list[str]]]:
+def placements(ranks: int, async_steps: list[int], partial: bool = False) -> list[tuple[str, list[str]]]:
     """(label, recipe flags) of each configuration on `ranks` ranks."""
     from hflow.planner.search import ranks_text
 
@@ -50,12 +53,23 @@ def placements(ranks: int, async_steps: list[int]) -> list[tuple[str, list[str]]
     if ranks >= 2:
         out.append(("split", ["--trainer.placement", spec, "--trainer.async-steps", "0"]))
         out += [(f"async-{k}", ["--trainer.placement", spec, "--trainer.async-steps", str(k)]) for k in async_steps]
+        if partial:
+            out += [(f"async-{k}-partial", ["--trainer.placement", spec, "--trainer.async-steps", str(k),
+                                            "--trainer.partial-rollouts"]) for k in async_steps]
     return out
 
 
 def idle(rows: list[dict], key: str) -> float:
     values = [r[key] for r in rows if key in r]
     return statistics.median(values) if values else 0.0
+
+
+def partial_note(rows: list[dict]) -> str:
+    """Partial rollouts: the share of responses continued on newer weights, their tokens' mean staleness."""
+    if not any("async/partial_fraction" in r for r in rows):
+        return ""
+    return (f" (continued {idle(rows, 'async/partial_fraction'):.0%}, tokens "
+            f"{idle(rows, 'async/token_staleness_mean'):.2f})")
 
 
 def main():
@@ -69,6 +83,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--partial", action="store_true", help="also each async-k with --trainer.partial-rollouts")
     ap.add_argument("--quick", action="store_true", help="tiny model, 16 new tokens, 4 steps, 1 round")
     args = ap.parse_args()
     if args.quick:
@@ -82,7 +97,7 @@ def main():
         b, n, t = spec["shapes"]["grpo"]
         print(f"== {args.workload}: {spec['arch']} fp32, GRPO {b} prompts x {n}, <= {t} new tokens, {spec['note']}")
         configs = [(r, label, flags) for r in map(int, args.ranks.split(","))
-                   for label, flags in placements(r, [int(k) for k in args.async_steps.split(",")])]
+                   for label, flags in placements(r, [int(k) for k in args.async_steps.split(",")], args.partial)]
         results: dict = {}
         for rnd in range(args.rounds):
             for r, label, flags in configs:
@@ -100,7 +115,7 @@ def main():
             update = statistics.median(row["time/update_s"] for row in rows)
             print(f"| {r} | {label} | {step:.2f} | {update:.2f} | {rate:,.0f} | {ratios[0]} | {ratios[1]} | "
                   f"{idle(rows, 'time/wait_for_rollout_s') + idle(rows, 'time/push_s'):.2f} | {idle(rows, 'time/rollout_idle_s'):.2f} | "
-                  f"{idle(rows, 'async/staleness_max'):.0f} |")
+                  f"{idle(rows, 'async/staleness_max'):.0f}{partial_note(rows)} |")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -12,8 +12,9 @@
 # 2. bench   scripts/bench_generate.py --workload gpu-0.5b: the engine against transformers'
 #            generate, bf16, Qwen2.5-0.5B's shape;
 # 3. grpo    scripts/gpu_grpo_steps.py: 3 GRPO steps (actor + frozen reference, bf16) on a random
-#            0.5B-shaped model: each phase's time and memory peak, and the bf16 engine/trainer
-#            log-prob gap (corrected by truncated importance sampling);
+#            Qwen3-0.6B-shaped model (the shape of the CPU's bench_rl.py --model qwen3-0.6b):
+#            each phase's time and memory peak, and the bf16 engine/trainer log-prob gap
+#            (corrected by truncated importance sampling);
 # 4. lora    the same with LoRA adapters (rank 16) on the actor: the memory and time it saves.
 #
 # Logs go to $HFLOW_GPU_CHECK_DIR (default outputs/gpu_check/<time>; on a lent device machine,
@@ -83,14 +84,14 @@ for part in "${parts[@]}"; do
         ;;
     grpo)
         if [ $cpu = 1 ]; then size=(--shape tiny --prompts 8 --samples 4 --max-tokens 32 --prompt-len 32 --eos-prob 0.05)
-        else size=(--shape 0.5b); fi
+        else size=(--shape qwen3-0.6b); fi
         run_part grpo 330 python -m torch.distributed.run --nproc-per-node 1 scripts/gpu_grpo_steps.py \
             --steps 3 --model-dir "$out/model" "${size[@]}"
         summary+=("$(grep -E "^(step |summary)" "$out/grpo.log" | sed 's/^/  /')")
         ;;
     lora)
         if [ $cpu = 1 ]; then size=(--shape tiny --prompts 8 --samples 4 --max-tokens 32 --prompt-len 32 --eos-prob 0.05)
-        else size=(--shape 0.5b); fi
+        else size=(--shape qwen3-0.6b); fi
         run_part lora 330 python -m torch.distributed.run --nproc-per-node 1 scripts/gpu_grpo_steps.py \
             --steps 3 --lora-rank 16 --model-dir "$out/model" "${size[@]}"
         summary+=("$(grep -E "^(step |summary)" "$out/lora.log" | sed 's/^/  /')")

@@ -1,8 +1,9 @@
 """A few GRPO steps on a random model of a real shape, with each phase's time and the device's
 memory peaks: the RL part of scripts/gpu_check.sh.
 
-The model is a random Qwen2 of the chosen shape (0.5b: Qwen2.5-0.5B's, 494M parameters,
-vocab 151,936), its EOS logit lifted so that responses end with probability ~--eos-prob per
+The model is a random Qwen2 or Qwen3 of the chosen shape (0.5b: Qwen2.5-0.5B's, 494M parameters;
+qwen3-0.6b: Qwen3-0.6B's, 596M, the shape of scripts/bench_rl.py --model qwen3-0.6b on CPU; both
+with vocab 151,936), its EOS logit lifted so that responses end with probability ~--eos-prob per
 token (the trick of scripts/bench_generate.py); prompts are random token ids; the reward is
 the share of even token ids in the response (cheap, and it varies within a group, so every
 advantage is not 0). Per step: actor.generate (the hybrid engine), the reference's log-probs
@@ -14,6 +15,7 @@ rank reports its peak memory in it (torch.cuda.max_memory_allocated; on CPU the 
 peak RSS, which only grows) and the memory reserved by the caching allocator.
 
     torchrun --nproc-per-node 1 scripts/gpu_grpo_steps.py                     # GPU: 0.5b, bf16
+    torchrun --nproc-per-node 1 scripts/gpu_grpo_steps.py --shape qwen3-0.6b
     HFLOW_DEVICE=cpu torchrun --nproc-per-node 1 scripts/gpu_grpo_steps.py --shape tiny --steps 2
 """
 from __future__ import annotations
@@ -36,8 +38,10 @@ from hflow.lora import LoRAConfig
 from hflow.workers import Actor, ActorConfig, OptimConfig, Reference, RolloutConfig
 from hflow.workers.fsdp import FSDPConfig
 
-# hidden, layers, query heads, KV heads, intermediate, vocab
-SHAPES = {"0.5b": (896, 24, 14, 2, 4864, 151936), "tiny": (64, 2, 4, 2, 128, 512)}
+SHAPES = {"0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, inter=4864, vocab=151936),
+          # Qwen3: 16/8 heads of 128, wider than hidden / heads
+          "qwen3-0.6b": dict(hidden=1024, layers=28, heads=16, kv_heads=8, inter=3072, vocab=151936, head_dim=128),
+          "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, inter=128, vocab=512)}
 
 
 def memory(device: torch.device) -> dict[str, float]:
@@ -63,15 +67,19 @@ class ProbedReference(Reference):
 
 
 def make_model_dir(shape: str, eos_prob: float, path: str) -> None:
-    """A random Qwen2 of `shape`, saved in bf16 (the workers load it into their own dtype)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A random Qwen2 (Qwen3 where the shape has a head_dim) of `shape`, saved in bf16 (the
+    workers load it into their own dtype)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
+    size = SHAPES[shape]
+    vocab = size["vocab"]
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                      tie_word_embeddings=True, eos_token_id=vocab - 1, bos_token_id=vocab - 1, pad_token_id=0)
-    model = Qwen2ForCausalLM(cfg).eval()
+    common = dict(vocab_size=vocab, hidden_size=size["hidden"], intermediate_size=size["inter"],
+                  num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                  num_key_value_heads=size["kv_heads"], max_position_embeddings=4096, tie_word_embeddings=True,
+                  eos_token_id=vocab - 1, bos_token_id=vocab - 1, pad_token_id=0)
+    model = (Qwen3ForCausalLM(Qwen3Config(**common, head_dim=size["head_dim"])) if "head_dim" in size
+             else Qwen2ForCausalLM(Qwen2Config(**common))).eval()
     emb = model.model.embed_tokens.weight.data
     emb[:, 0] = 1.0   # after the final norm h[0] is large and nearly constant: the EOS row's +delta lifts its logit
     with torch.no_grad():
@@ -99,7 +107,7 @@ def main(cluster, args):
     ref = cluster.spawn(ProbedReference, dataclasses.replace(cfg, lora=LoRAConfig()))
     print(f"actor and reference built in {time.perf_counter() - t:.1f} s; memory per rank "
           f"(peak GiB): {[round(m['peak'], 2) for m in actor.memory()]}", flush=True)
-    vocab = SHAPES[args.shape][5]
+    vocab = SHAPES[args.shape]["vocab"]
     g = torch.Generator().manual_seed(1)
     rows = []
     for step in range(args.steps):

@@ -1,15 +1,18 @@
 """Where one actor update's time goes: one rank's share of scripts/bench_rl.py's vary workload.
 
-One process, one thread, world size 1 (FSDP2 on a 1-rank mesh: no collectives to wait on), the
-bench's 25M Qwen2 and a GRPO-shaped batch: --sequences rows (default 32, one rank's share of
-16 prompts x 4), prompts of 8-64 tokens, responses of 1-96 tokens drawn as the vary
-workload's lengths fall (EOS with probability 0.015 per token). Prints the process CPU time
-of each update (the first is a warm-up), the split into forward / backward / optimizer of the
-last ones, and, with --profile, one update under torch.profiler by kind of op, with the matmul
-floor (forward + backward FLOPs / this script's measured matmul peak on the update's shapes).
+One process, world size 1 (FSDP2 on a 1-rank mesh: no collectives to wait on), --threads
+threads (1), the bench's 25M Qwen2 in fp32 (or --model qwen3-0.6b: Qwen3-0.6B's shape, in bf16
+with fp32 master weights where the CPU has bf16 instructions, as hflow's auto picks) and a
+GRPO-shaped batch: --sequences rows (default 32, one rank's share of 16 prompts x 4), prompts of
+8-64 tokens, responses of 1-96 tokens drawn as the vary workload's lengths fall (EOS with
+probability 0.015 per token). Prints the process CPU time of each update (the first is a
+warm-up), the split into forward / backward / optimizer of the last ones, and, with --profile,
+one update under torch.profiler by kind of op, with the matmul floor (forward + backward FLOPs /
+this script's measured matmul peak on the update's shapes, in the compute dtype).
 
     python scripts/profile_update.py                 # CPU per update and its phases
     python scripts/profile_update.py --profile       # + one update under torch.profiler
+    python scripts/profile_update.py --model qwen3-0.6b --threads 2 --sequences 32 --profile
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from bench_rl import SIZES, make_model   # noqa: E402  (a sibling script)
 
 from hflow import algos   # noqa: E402
 from hflow.workers import Actor, ActorConfig, OptimConfig   # noqa: E402
+from hflow.workers.fsdp import FSDPConfig, auto_param_dtype   # noqa: E402
 from hflow.layout import sequence_tensors   # noqa: E402
 from hflow.workers.micro_batches import packed_tokens   # noqa: E402
 
@@ -38,15 +42,15 @@ KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm"), "attention (SDPA)":
          "optimizer": ("aten::_fused_adamw_", "Optimizer.step")}
 
 
-def batch(sequences: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def batch(sequences: int, seed: int = 0, vocab: int = 4096) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
     for i in range(sequences):
         if i % 4 == 0:
-            prompt = torch.randint(258, 4096, (int(torch.randint(8, 65, (), generator=g)),), generator=g).tolist()
+            prompt = torch.randint(258, vocab, (int(torch.randint(8, 65, (), generator=g)),), generator=g).tolist()
         length = int(min(96, 1 + torch.empty(()).exponential_(0.015, generator=g)))
         prompts.append(prompt)
-        responses.append(torch.randint(258, 4096, (length,), generator=g).tolist())
+        responses.append(torch.randint(258, vocab, (length,), generator=g).tolist())
     t = sequence_tensors(prompts, responses, pad_id=0)
     t["advantages"] = torch.randn(t["response_mask"].shape, generator=g)
     return t
@@ -56,11 +60,12 @@ def grpo_loss(logp, mb, entropy=None):
     return algos.policy_loss(logp, mb["old_log_probs"], mb["advantages"], mb["response_mask"])[0], {}
 
 
-def matmul_peak(tokens: int, hidden: int, inter: int) -> float:
-    """Best fp32 GFLOP/s of torch.mm on the update's shapes (one thread)."""
+def matmul_peak(tokens: int, hidden: int, inter: int, dtype: torch.dtype) -> float:
+    """Best GFLOP/s of torch.mm in `dtype` on the update's shapes, in process CPU seconds (so
+    that with T threads it is T times one thread's, as the update's times are)."""
     best = 0.0
     for k, n in ((hidden, 2 * inter), (inter, hidden), (hidden, 2 * hidden)):
-        a, b = torch.randn(tokens, k), torch.randn(k, n)
+        a, b = torch.randn(tokens, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         for _ in range(4):
             t = time.process_time()
             a @ b
@@ -73,21 +78,26 @@ def main():
     ap.add_argument("--sequences", type=int, default=32)
     ap.add_argument("--updates", type=int, default=4)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--model", default="25m", choices=["25m", "qwen3-0.6b"])
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29631")
     dist.init_process_group("gloo", rank=0, world_size=1)
     mesh = dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    size = SIZES["25m"]
+    size = SIZES[args.model]
+    dtype = auto_param_dtype(torch.device("cpu"), size["hidden"])
     with tempfile.TemporaryDirectory() as model_dir:
         model = make_model(size, 0.015)
         model.save_pretrained(model_dir)
         actor = Actor(mesh, ActorConfig(model_path=model_dir, max_tokens_per_micro_batch=8192,
-                                        optim=OptimConfig(lr=1e-6)))
+                                        optim=OptimConfig(lr=1e-6),
+                                        fsdp=FSDPConfig(param_dtype=str(dtype).removeprefix("torch."))))
     layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
     head_params = model.lm_head.weight.numel()
-    t = batch(args.sequences)
+    del model
+    t = batch(args.sequences, vocab=size.get("vocab", 4096))
     # each prompt's tokens once: its 4 samples share them in the packed passes
     tokens, predicted = int(packed_tokens(t).sum()), int(t["response_mask"].sum())
     floor_flop = 3 * 2 * (tokens * layer_params + predicted * head_params)
@@ -106,7 +116,8 @@ def main():
     backward = torch.Tensor.backward
     torch.Tensor.backward = timed("backward", backward)
     print(f"{args.sequences} sequences, {int(t['attention_mask'].sum())} tokens, {tokens} once each prompt "
-          f"is shared ({predicted} predicted); 25M Qwen2, 1 thread")
+          f"is shared ({predicted} predicted); {args.model}, {str(dtype).removeprefix('torch.')} compute, "
+          f"{args.threads} thread(s)")
     for i in range(args.updates):
         phases.clear()
         start = time.process_time()
@@ -115,7 +126,7 @@ def main():
         print(f"update {i}: {total:.3f} s CPU ({', '.join(f'{k} {v:.3f}' for k, v in phases.items())})"
               + (" (warm-up)" if i == 0 else ""), flush=True)
     torch.Tensor.backward = backward
-    peak = matmul_peak(tokens, size["hidden"], size["inter"])
+    peak = matmul_peak(tokens, size["hidden"], size["inter"], dtype)
     print(f"matmul floor: {floor_flop / 1e9:.0f} GFLOP / {peak:.0f} GFLOP/s = {floor_flop / peak / 1e9:.2f} s")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
