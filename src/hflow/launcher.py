@@ -25,7 +25,7 @@ import tyro
 from . import stopping, transport
 from .by_model import resolve_defaults
 from .controller import Cluster, env_float
-from .parallel import keep_freed_memory_in_the_heap, pick_device, set_device
+from .parallel import pick_device, set_device
 from .server import Server, hard_exit, log
 from .validation import ConfigError, UserError, check_config, notices, prepare_output_dir
 
@@ -53,7 +53,6 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-        keep_freed_memory_in_the_heap()   # no page faults on the large tensors every step reallocates
     set_device(device)
     dist.init_process_group(backend)
     cfg = _parse_and_check(cfg, rank)

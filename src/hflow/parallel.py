@@ -22,29 +22,6 @@ def set_device(device: torch.device) -> None:
     _device = device
 
 
-# glibc's mallopt parameters
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-
-
-def keep_freed_memory_in_the_heap() -> bool:
-    """Let glibc keep freed memory for the next allocation instead of handing it back to the
-    kernel (what Intel's PyTorch CPU guide gets from jemalloc or tcmalloc). Every step on CPU
-    allocates and frees the same large tensors (FSDP's gathered layers and gradient buffers,
-    the LM head's logits); by default glibc maps each of more than a few MiB afresh and unmaps
-    it when freed, so every step pays the page faults of first touching it again: at
-    Qwen3-0.6B's shape, 2 ranks, ~20 % of an update (34 s against 42-44 s). Blocks up to 32 MiB
-    (glibc's largest threshold) then come from the heap, and the heap is trimmed only by
-    hflow.server.release_memory. Returns whether glibc took the settings (False elsewhere)."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):   # not glibc
-        return False
-    return all(mallopt(param, value) == 1 for param, value in
-               ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 1 << 30)))
-
-
 def pick_device(wanted: str, local_rank: int, local_world_size: int, cuda_devices: int) -> torch.device:
     """This rank's device from HFLOW_DEVICE (`cpu`, `cuda`/`gpu`, or `cuda:N` for a lone
     process), LOCAL_RANK and the CUDA devices this process sees. One process per GPU: rank i
