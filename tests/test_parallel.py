@@ -1,7 +1,5 @@
 """hflow.parallel.device_of: the device a worker puts a mesh's tensors on, read with APIs every
 allowed torch has (no CUDA needed to check the choice)."""
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -52,32 +50,3 @@ def test_pick_device_refuses_what_cannot_be_right(wanted, local_rank, local_worl
         parallel.pick_device(wanted, local_rank, local_world, devices)
 
 
-
-FRESH_TENSOR_FAULTS = """
-import resource, sys, torch
-if sys.argv[1] == "hflow":
-    import hflow  # noqa: F401  (before the process's first CPU allocation, as a recipe imports it)
-def faults_of_a_fresh_tensor():   # 24 MiB, every page written, as a gathered layer or a gradient is
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.empty(6 << 20).fill_(1.0)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-print(max(faults_of_a_fresh_tensor() for _ in range(4)))
-"""
-
-
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-@pytest.mark.skipif(not THP_MODE.exists() or "[madvise]" not in THP_MODE.read_text(),
-                    reason="transparent huge pages not on request (madvise) here: never, or always for everyone")
-def test_large_cpu_tensors_fault_in_huge_pages_once_hflow_is_imported():
-    """The kernel's count of page faults as the oracle: a fresh 24 MiB tensor costs ~6,000
-    faults of 4 KiB pages in plain PyTorch, and a few hundred on 2 MiB pages under hflow."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    faults = {how: int(subprocess.run([sys.executable, "-c", FRESH_TENSOR_FAULTS, how], capture_output=True,
-                                      text=True, check=True, timeout=120, env=env).stdout)
-              for how in ("plain", "hflow")}
-    assert faults["plain"] > 4000 and faults["hflow"] < 1000, faults

@@ -4,16 +4,8 @@ The public API is re-exported here lazily, so that `import hflow` stays cheap an
 imports only what it uses.
 """
 import importlib
-import os
 
 __version__ = "0.1.0"
-
-# CPU tensors of 2 MiB and more on transparent huge pages (PyTorch's own switch, read once, at the
-# process's first CPU allocation, so it is set on import): every step frees and allocates the same
-# large tensors again (FSDP's gathered layers and gradient buffers, the logits), and on 4 KiB pages
-# each costs a page fault per 4 KiB when first written; at Qwen3-0.6B's shape on 2 ranks that was
-# ~20 % of an update. THP_MEM_ALLOC_ENABLE=0 turns it off.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 # public name -> module that defines it
 _EXPORTS = {
