@@ -48,5 +48,3 @@ def test_pick_device_accepts_the_usual_spellings(wanted, local_rank, local_world
 def test_pick_device_refuses_what_cannot_be_right(wanted, local_rank, local_world, devices, message):
     with pytest.raises((ValueError, RuntimeError), match=message):
         parallel.pick_device(wanted, local_rank, local_world, devices)
-
-
