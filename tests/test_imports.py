@@ -123,6 +123,7 @@ LAYERS = {
     "by_model": 0, "lora": 0,
     # 1: building blocks
     "layout": 1, "dispatch": 1, "server": 1, "stopping": 1, "checkpoint": 1, "reshard": 1, "algos": 1, "engine": 1, "rewards": 1,
+    "weight_sync": 1,
     # 1.5: agents (environments, tools, trajectories) use the engine's and rewards' pieces, and
     # the workers (2) run them
     "agents": 1.5,
@@ -130,7 +131,7 @@ LAYERS = {
     "data": 2, "workers": 2, "controller": 2, "run": 2,
     # 3: what recipes are made of
     "launcher": 3, "config": 3, "texts": 3, "planner": 3,
-    "placement": 4, "scoring": 4,
+    "placement": 4, "scoring": 4, "asynchronous": 4,
     "evaluation": 5,
     # 6: the set-up every recipe calls, and the embedded default beside it (recipes only)
     "recipe": 6, "default": 6,

@@ -154,15 +154,21 @@ def test_the_planner_example_runs_and_prints_a_placement():
     assert "colocate" in out.stdout, out.stdout[-2000:]
 
 
-def test_every_placement_spec_in_the_readme_places_ppos_roles():
-    """The SPECs are shown for PPO (a reward role where --reward.model is given): each must
-    resolve on as many ranks as it names."""
+def test_every_placement_spec_in_the_readme_places_its_recipes_roles():
+    """The SPECs are shown for PPO (a reward role where --reward.model is given), or for GRPO
+    (no reference, as scripts/bench_async.py runs it) with a rollout group of its own where
+    they name one: each must resolve on as many ranks as
+    it names, through the recipe's own rollout_sets."""
+    from hflow.asynchronous import rollout_sets
     from hflow.placement import resolve
 
     specs = set(re.findall(r"`([a-z_,]+:[\d-]+(?:;[a-z_,]+:[\d-]+)+)`", README))
     assert len(specs) >= 2, specs
     for spec in specs:
         world = 1 + max(int(r) for r in re.findall(r"\d+", spec))
-        sets = [["actor", "ref"], ["critic"] + (["reward"] if "reward" in spec else [])]
-        placed = resolve(spec, sets, world, algo="ppo", log=lambda line: None)
+        if "rollout" in spec:
+            algo, sets = "grpo", rollout_sets([["actor"]], spec, async_steps=0)
+        else:
+            algo, sets = "ppo", [["actor", "ref"], ["critic"] + (["reward"] if "reward" in spec else [])]
+        placed = resolve(spec, sets, world, algo=algo, log=lambda line: None)
         assert sorted(placed) == sorted(r for s in sets for r in s), spec
