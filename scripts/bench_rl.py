@@ -24,7 +24,8 @@ Workloads: equal (~25M-parameter Qwen2: hidden 512, 8 layers, vocab 4096; <= 32 
 made ~impossible so every response is ~32 tokens), vary (the same model with its EOS logit
 lifted as scripts/bench_generate.py does, <= 96 new tokens, mean ~50-65), default (the embedded
 default model and arithmetic task with the recipes' own defaults; the warmed-up policy when
-cached, else the base model: the output says which). Prompts of equal/vary: 8-64 random
+cached, else the base model: the output says which), short (equal with prompts of 2-6 tokens:
+the workload where sharing a prompt among its samples saves least). Prompts of equal/vary: 8-64 random
 word tokens, each word one token of a byte-level BPE saved with the model (checked: the text
 re-tokenises to the same ids, so TRL and hflow see the same prompt tokens).
 
@@ -77,9 +78,15 @@ SIZES = {"25m": dict(hidden=512, inter=1376, layers=8, heads=8, kv=4),
          "quick": dict(hidden=128, inter=344, layers=2, heads=4, kv=2),
          # Qwen3-0.6B's shape: 16/8 heads of 128 (wider than hidden / heads), tied embeddings
          "qwen3-0.6b": dict(hidden=1024, inter=3072, layers=28, heads=16, kv=8, head_dim=128, vocab=151936)}
-WORKLOADS = {"equal": dict(max_tokens=32, eos_prob=1e-6), "vary": dict(max_tokens=96, eos_prob=0.015)}
+# prompts: 8-64 tokens (4-16 at 0.6B); "short" is equal with 2-6-token prompts, where sharing a
+# prompt among its n samples saves little and hflow's lead rests on the rest of the step
+WORKLOADS = {"equal": dict(max_tokens=32, eos_prob=1e-6, prompt_tokens=(8, 64)),
+             "short": dict(max_tokens=32, eos_prob=1e-6, prompt_tokens=(2, 6)),
+             "vary": dict(max_tokens=96, eos_prob=0.015, prompt_tokens=(8, 64))}
 # at 0.6B: <= 64 new tokens (mean ~28) where lengths vary, so that TRL's one process fits in 24 GiB
-QWEN3_WORKLOADS = {"equal": dict(max_tokens=32, eos_prob=1e-6), "vary": dict(max_tokens=64, eos_prob=0.03)}
+QWEN3_WORKLOADS = {"equal": dict(max_tokens=32, eos_prob=1e-6, prompt_tokens=(4, 16)),
+                   "short": dict(max_tokens=32, eos_prob=1e-6, prompt_tokens=(2, 6)),
+                   "vary": dict(max_tokens=64, eos_prob=0.03, prompt_tokens=(4, 16))}
 VOCAB, PAD, EOS = 4096, 0, 1
 QWEN3_PAD, QWEN3_EOS = 151643, 151645   # <|endoftext|>, <|im_end|>
 QWEN3_FIXTURE = REPO / "tests" / "fixtures" / "qwen3"
@@ -253,12 +260,13 @@ def prepare(name: str, args, root: Path) -> dict:
             size = {**SIZES[args.size], "layers": args.layers or SIZES[args.size]["layers"]}
             shutil.copytree(qwen3_model_dir(size, workload["eos_prob"]), model_dir)
             tokenizer = qwen3_tokenizer(model_dir)
-            lengths, words = (4, 16), qwen3_words(tokenizer)
+            words = qwen3_words(tokenizer)
         else:
             tokenizer = build_tokenizer()
             make_model(SIZES[args.size], workload["eos_prob"]).save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
-            lengths, words = (8, 64), None
+            words = None
+        lengths = workload["prompt_tokens"]
         tokenizer = AutoTokenizer.from_pretrained(model_dir)  # as both sides load it
         max_tokens = 16 if args.quick else workload["max_tokens"]
         shapes = {a: (args.batch, args.n, max_tokens) for a in ("grpo", "ppo")}
@@ -551,7 +559,7 @@ def step_rate(spec: dict, algo: str, rows: list[dict]) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="all", choices=["equal", "vary", "default", "all"])
+    ap.add_argument("--workload", default="all", choices=["equal", "short", "vary", "default", "all"])
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (TRL, hflow ...), one subprocess each")
     ap.add_argument("--steps", type=int, default=4, help="RL steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="first steps of each run left out")
@@ -596,7 +604,7 @@ def main():
     root = Path(tempfile.mkdtemp(prefix="bench_rl."))
     table = []
     try:
-        every = ["equal", "vary"] if qwen3 else ["equal", "vary", "default"]
+        every = ["equal", "short", "vary"] if qwen3 else ["equal", "short", "vary", "default"]
         for name in (every if args.workload == "all" else [args.workload]):
             spec = prepare(name, args, root)
             peak = matmul_peak(spec, args.cores)    # measured again after the runs; the best is kept

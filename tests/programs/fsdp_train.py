@@ -44,4 +44,7 @@ for agg in ("token-mean", "seq-mean-token-mean"):
                         "weights": {n: p.full_tensor() for n, p in actor.model.named_parameters()}}
 if rank == 0:
     torch.save(saved, out)
+# both ranks leave together: once in a full suite run rank 1 aborted in gloo's teardown
+# ("terminate called without an active exception") while rank 0 was still saving
+dist.barrier()
 dist.destroy_process_group()
