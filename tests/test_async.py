@@ -40,9 +40,9 @@ def test_a_rollout_set_is_added_only_when_the_run_has_one():
     assert rollout_sets(sets, "colocate", 0) == sets
     assert rollout_sets(sets, "split", 1) == [["actor"], ["ref"], ["rollout"]]
     assert rollout_sets(sets, "actor,ref:0;rollout:1", 0) == [["actor"], ["ref"], ["rollout"]]   # synchronous split
-    for placement in ("colocate", "auto"):
-        with pytest.raises(ConfigError, match=f"--trainer.placement {placement} does not place one"):
-            rollout_sets(sets, placement, 2)
+    assert rollout_sets(sets, "auto", 2) == [["actor"], ["ref"], ["rollout"]]   # auto sizes the groups
+    with pytest.raises(ConfigError, match="--trainer.placement colocate does not place one"):
+        rollout_sets(sets, "colocate", 2)
 
 
 @pytest.mark.dist
@@ -89,6 +89,17 @@ def test_a_rollout_group_of_two_ranks_generates_each_step_between_them(tiny_mode
     logged = rows(out)[1:]
     assert [row["async/policy_version"] for row in logged] == [0, 0, 1]
     assert all(row["time/rollout_busy_s"] > 0 and len({row["reward/mean"]}) == 1 for row in logged)
+
+
+@pytest.mark.dist
+def test_auto_places_an_async_run_on_a_training_and_a_rollout_group(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    run = torchrun(str(RECIPES / "grpo.py"), 2, small_run(tiny_model, out, 3, "--trainer.no-export", *PARITY,
+                                                          "--trainer.async-steps", 1, "--trainer.placement", "auto"),
+                   timeout=400, env={"PYTHONPATH": PROGRAMS}).check()
+    assert "placement auto: asynchronous grpo on 2 x cpu" in run.output, run.output[-3000:]
+    assert "chose training on ranks 0, rollout on ranks 1" in run.output, run.output[-3000:]
+    assert [row["async/policy_version"] for row in rows(out)[1:]] == [0, 0, 1]
 
 
 @pytest.mark.dist

@@ -276,6 +276,28 @@ def test_auto_on_4_cpu_ranks_logs_the_plan_it_chose_and_every_candidate():
     assert chosen_sets == {frozenset(r for r, ranks in plan.items() if ranks == same) for same in plan.values()}
 
 
+def test_auto_with_a_rollout_group_prices_every_split_and_takes_the_fastest():
+    """An asynchronous run (a rollout set): the training roles colocated on the first ranks, the
+    rollout group on the rest, as the fastest overlapped split of hflow.planner.asynchronous."""
+    from hflow.planner.asynchronous import async_plans
+    from hflow.placement.auto import machine_profile, planner_for
+
+    job = Job(DEFAULT, Workload(32, 6, 5, samples=4, updates=1, micro_batch_tokens=8192))
+    lines = []
+    plan = resolve("auto", [["actor", "ref"], ["rollout"]], 2, algo="grpo", job=job, device_type="cpu",
+                   log=lines.append)
+    assert dict(plan) == {"actor": [0], "ref": [0], "rollout": [1]}, lines
+    text = "\n".join(lines)
+    assert lines[0].startswith("placement auto: asynchronous grpo on 2 x cpu"), text
+    assert "chose training on ranks 0, rollout on ranks 1" in text and text.count("<- chosen") == 1, text
+    # the candidates are the planner's own splits, fastest first
+    plans = async_plans(planner_for([["actor", "ref"]], 4, "grpo", job, machine_profile("cpu", 4)))
+    assert plans and [p.overlapped for p in plans] == sorted(p.overlapped for p in plans)
+    assert all(p.rollout_devices + p.train_devices == 4 for p in plans)
+    with pytest.raises(ValueError, match="needs 2 ranks or more"):
+        resolve("auto", [["actor"], ["rollout"]], 1, algo="grpo", job=job, device_type="cpu")
+
+
 def test_job_of_a_recipe_config():
     cfg = SimpleNamespace(data=DataConfig(batch_size=16), rollout=RolloutConfig(n=4, max_tokens=32, tp_size=2),
                           actor=ActorConfig(epochs=2, mini_batch_size=4, max_tokens_per_micro_batch=4096),

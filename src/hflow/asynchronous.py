@@ -41,11 +41,10 @@ import dataclasses
 import time
 
 from hflow.batch import Batch
+from hflow.planner.asynchronous import ROLLOUT_ROLE as ROLE
 from hflow.texts import prompt_batch
 from hflow.validation import ConfigError
 from hflow.weight_sync import DEFAULT_BUCKET_BYTES
-
-ROLE = "rollout"
 
 
 class AsyncRollouts:
@@ -129,13 +128,14 @@ class AsyncRollouts:
 
 def rollout_sets(sets: list[list[str]], placement: str, async_steps: int) -> list[list[str]]:
     """The recipe's role sets with the rollout group as a set of its own when the run has one:
-    --trainer.async-steps above 0, or a placement SPEC that names it."""
+    --trainer.async-steps above 0, or a placement SPEC that names it. `auto` then chooses how
+    many ranks generate (hflow.placement.auto)."""
     named = ":" in placement and ROLE in [r.strip() for part in placement.split(";")
                                           for r in part.partition(":")[0].split(",")]
     if async_steps == 0 and not named:
         return sets
-    if placement.strip() in ("colocate", "auto"):
+    if placement.strip() == "colocate":
         raise ConfigError(f"--trainer.async-steps {async_steps} generates on a rollout group of its own ranks: "
-                          f"--trainer.placement {placement.strip()} does not place one; use split, standalone, or a "
+                          f"--trainer.placement colocate does not place one; use split, standalone, auto, or a "
                           f"SPEC such as actor:0;rollout:1")
     return [*sets, [ROLE]]

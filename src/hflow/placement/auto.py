@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from hflow.placement.ranks import Placement
+from hflow.planner.asynchronous import ROLLOUT_ROLE, AsyncPlan, async_plans
 from hflow.planner.fsdp import FSDPPlanner
 from hflow.planner.hardware import PROFILES, GiB, Hardware, cpu_profile
 from hflow.planner.models import ModelShape, Workload, dataflow, model_shape
@@ -80,6 +81,8 @@ def auto_placement(sets: list[list[str]], world_size: int, *, algo: str, job: Jo
     if device_type is None:
         import torch
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if [ROLLOUT_ROLE] in sets:
+        return auto_async_placement(sets, world_size, algo=algo, job=job, device_type=device_type, log=log)
     hw = machine_profile(device_type, world_size)
     try:
         planner = planner_for(sets, world_size, algo, job, hw)
@@ -91,6 +94,50 @@ def auto_placement(sets: list[list[str]], world_size: int, *, algo: str, job: Jo
     roles = [role for s in sets for role in s]
     chosen = plans[0].placement()
     return Placement({role: chosen[role] for role in roles})
+
+
+def auto_async_placement(sets: list[list[str]], world_size: int, *, algo: str, job: Job, device_type: str,
+                         log: Callable[[str], None] = print) -> Placement:
+    """An asynchronous run's placement: of every split of the ranks into a training group (every
+    other role, colocated, on the first ranks) and a rollout group (the rest), the one with the
+    fastest overlapped step (hflow.planner.asynchronous), logged beside the other splits."""
+    training = [s for s in sets if s != [ROLLOUT_ROLE]]
+    if world_size < 2:
+        raise ValueError("--trainer.placement auto with a rollout group (--trainer.async-steps >= 1) needs 2 ranks or "
+                         "more: one to train, one to generate")
+    hw = machine_profile(device_type, world_size)
+    try:
+        planner = planner_for(training, world_size, algo, job, hw)
+        plans = async_plans(planner)
+    except ValueError as e:
+        raise ValueError(f"--trainer.placement auto: {e}") from None
+    if not plans:
+        raise ValueError(f"--trainer.placement auto: no split of {world_size} ranks into a training and a rollout "
+                         f"group fits this machine; name a placement (split, or a SPEC such as actor:0;rollout:1)")
+    for line in describe_async(plans, planner):
+        log(line)
+    best = plans[0]
+    train_ranks, rollout_ranks = async_ranks(best)
+    return Placement({**{role: train_ranks for s in training for role in s}, ROLLOUT_ROLE: rollout_ranks})
+
+
+def async_ranks(plan: AsyncPlan) -> tuple[list[int], list[int]]:
+    """The training group on the first ranks (rank 0's actor leads the weight pushes), the rollout group after."""
+    return list(range(plan.train_devices)), list(range(plan.train_devices, plan.train_devices + plan.rollout_devices))
+
+
+def describe_async(plans: list[AsyncPlan], planner: FSDPPlanner) -> list[str]:
+    """The chosen split and every other, fastest overlapped step first."""
+    hw, work, best = planner.hw, planner.work, plans[0]
+    train, rollout = async_ranks(best)
+    lines = [f"placement auto: asynchronous {planner.flow.algo} on {planner.devices} x {hw.name}; {work.batch} prompts "
+             f"x {work.samples}, {work.prompt_len} + {work.response_len} tokens",
+             f"  chose training on ranks {ranks_text(train)}, rollout on ranks {ranks_text(rollout)}: predicted "
+             f"{best.overlapped:.3g} s a step overlapped (generate {best.generate:.3g}, train {best.train:.3g}, "
+             f"push {best.push:.3g}; {best.sync:.3g} synchronous)",
+             "  candidates (rollout ranks | training ranks; predicted s a step, overlapped):"]
+    lines += [f"    {p.name:<32} {p.overlapped:8.3g}" + ("   <- chosen" if p is best else "") for p in plans]
+    return lines
 
 
 def candidates(planner: FSDPPlanner, sets: list[list[str]]) -> list[Plan]:

@@ -33,6 +33,9 @@ from hflow.planner.search import Planner, shared_stage_time
 from hflow.planner.simulator import Parallel, kv_bytes_per_token
 
 
+ROLLOUT_ROLE = "rollout"   # the placement role of hflow's rollout group (--trainer.async-steps)
+
+
 @dataclass(frozen=True)
 class AsyncPlan:
     rollout_devices: int
