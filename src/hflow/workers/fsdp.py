@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from hflow.engine.models.layers import cpu_bf16_instructions  # the engine packs bf16 on the same test
 from hflow.parallel import device_of, make_mesh
 from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
 from hflow.validation import ConfigError
@@ -64,16 +65,6 @@ class FSDPConfig:
 # default and the tests' models) fp32 stays the CPU's default, so that their results are the
 # same on every CPU.
 CPU_BF16_MIN_HIDDEN = 1024
-
-
-def cpu_bf16_instructions() -> str | None:
-    """The CPU's bf16 matmul instructions oneDNN uses ("AMX": Intel Sapphire Rapids and later;
-    "AVX512-BF16": Intel Cooper Lake, AMD Zen 4 and later), or None where bf16 is emulated."""
-    if torch.cpu._is_amx_tile_supported():
-        return "AMX"
-    if torch.cpu._is_avx512_bf16_supported():
-        return "AVX512-BF16"
-    return None
 
 
 def auto_param_dtype(device: torch.device, hidden_size: int | None = None) -> torch.dtype:

@@ -48,11 +48,20 @@ def _param(*shape, dtype, device) -> nn.Parameter:
 PACKED_MIN_ROWS = 4
 
 
+def cpu_bf16_instructions() -> str | None:
+    """The CPU's bf16 matmul instructions oneDNN uses ("AMX": Intel Sapphire Rapids and later;
+    "AVX512-BF16": Intel Cooper Lake, AMD Zen 4 and later), or None where bf16 is emulated."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512-BF16"
+    return None
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether oneDNN's packed matmul is available for this weight (bf16: only with the CPU's
-    bf16 instructions, AMX or AVX512-BF16; elsewhere oneDNN emulates bf16)."""
-    fast_dtype = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and (
-        torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()))
+    bf16 instructions; elsewhere oneDNN emulates bf16)."""
+    fast_dtype = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_bf16_instructions() is not None)
     return (weight.device.type == "cpu" and fast_dtype and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
