@@ -1,5 +1,5 @@
 """Generation shards after an update: values, bytes moved and allocated; run by test_reshard.py::test_generation_shards_after_an_update."""
-import os, re, sys, torch, torch.distributed as dist
+import os, re, sys, time, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig
 from hflow.measure import AllocatedBytes, CollectiveBytes
@@ -56,6 +56,13 @@ for tp in tps:
         for name, shard in generation_weights(actor.model, gen_mesh):
             engine[name].copy_(shard)
             del shard
+            # gloo's worker thread drops its own reference to a gathered buffer a moment after the
+            # collective completes (seen freeing it while the next gather ran, ~1 run in 8 on 2
+            # cores): wait for that before the next shard, and fail if the shard outlives it (held)
+            deadline = time.monotonic() + 5
+            while mem.live and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert mem.live == 0, (tp, name, mem.live)
     units = {}
     for name, s in engine.items():
         unit = re.match(r".*layers\.\d+\.", name)
