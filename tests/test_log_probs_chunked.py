@@ -1,5 +1,7 @@
-"""layout.token_log_probs in chunks: the same numbers and gradients as the whole computation,
-with the fp32 vocabulary-sized buffers bounded by a chunk (forward and backward)."""
+"""token_log_probs in chunks, with its own backward: the values and gradients of the whole
+computation in float64 (an independent oracle: autograd through log_softmax), and the fp32
+vocabulary-sized buffers bounded by a chunk (forward and backward)."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -8,22 +10,41 @@ from hflow.workers.log_probs import token_log_probs
 
 
 def whole(logits, tokens, temperature):
-    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp_all = F.log_softmax(logits.double() / temperature, dim=-1)
     return logp_all.gather(-1, tokens[:, None])[:, 0], -(logp_all.exp() * logp_all).sum(-1)
 
 
-def test_chunks_give_the_whole_computations_values_and_gradients():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunks_give_the_whole_computations_values_and_gradients(dtype, temperature, with_entropy):
     torch.manual_seed(0)
-    logits = torch.randn(300, 50, dtype=torch.float64).to(torch.bfloat16).requires_grad_()
+    logits = torch.randn(300, 50, dtype=torch.float64).to(dtype).requires_grad_()
+    before = logits.detach().clone()
     tokens = torch.randint(0, 50, (300,))
-    logp, entropy = token_log_probs(logits, tokens, 0.7, with_entropy=True, chunk_rows=64)
-    ref_logp, ref_entropy = whole(logits, tokens, 0.7)
-    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=0)
-    torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=0)
-    weights = torch.randn(300)
-    (grad,) = torch.autograd.grad((logp * weights).sum() + entropy.sum(), logits)
-    (ref_grad,) = torch.autograd.grad((ref_logp * weights).sum() + ref_entropy.sum(), logits)
-    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0)
+    logp, entropy = token_log_probs(logits, tokens, temperature, with_entropy=with_entropy, chunk_rows=64)
+    ref_logp, ref_entropy = whole(logits, tokens, temperature)
+    assert logp.dtype == torch.float32 and (entropy is not None) == with_entropy
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=0, atol=2e-6)
+    weights = torch.randn(300, dtype=torch.float64)
+    loss, ref_loss = (logp.double() * weights).sum(), (ref_logp * weights).sum()
+    if with_entropy:
+        torch.testing.assert_close(entropy.double(), ref_entropy, rtol=0, atol=5e-6)
+        loss, ref_loss = loss + entropy.sum(), ref_loss + ref_entropy.sum()
+    (grad,) = torch.autograd.grad(loss, logits)
+    (ref_grad,) = torch.autograd.grad(ref_loss, logits)
+    assert grad.dtype == dtype
+    # fp32: rounding; bf16: the gradient is rounded to the logits' dtype, as autograd's would be
+    atol, rtol = (5e-6, 0) if dtype == torch.float32 else (1e-5, 2 ** -8)
+    torch.testing.assert_close(grad.double(), ref_grad.to(dtype).double(), rtol=rtol, atol=atol)
+    assert torch.equal(logits.detach(), before)   # worked on copies: the logits are left as they were
+
+
+def test_no_gradient_needed_no_graph_kept():
+    logits, tokens = torch.randn(10, 20), torch.randint(0, 20, (10,))
+    with torch.no_grad():
+        logp, entropy = token_log_probs(logits.requires_grad_(), tokens, 1.0, with_entropy=True)
+    assert not logp.requires_grad and logp.shape == entropy.shape == (10,)
 
 
 def peak_bytes(chunk_rows, rows=2048, vocab=4096):

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
@@ -11,24 +9,60 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     """log pi(token) = log_softmax(logits / T)[token], T = 1 when temperature is 0 (greedy);
     entropy H = -sum_v p_v log p_v of the same distribution. Computed in fp32, `chunk_rows`
     positions at a time: the fp32 [rows, vocab] buffers exist for one chunk only, in the backward
-    too (each chunk is recomputed there rather than stored), so a 152k vocabulary costs
-    ~0.6 GB per buffer instead of batch x length x vocab x 4 bytes."""
-    # split, not slicing: one backward node gathers the chunks' gradients into one tensor,
-    # where each slice would add a full-size gradient of its own
-    chunks = list(zip(logits.split(chunk_rows), tokens.split(chunk_rows))) or [(logits, tokens)]
-    recompute = torch.is_grad_enabled() and logits.requires_grad and len(chunks) > 1
-    parts = [checkpoint(_chunk_log_probs, x, t, temperature, with_entropy, use_reentrant=False)
-             if recompute else _chunk_log_probs(x, t, temperature, with_entropy) for x, t in chunks]
-    logp = torch.cat([p for p, _ in parts])
-    entropy = torch.cat([e for _, e in parts]) if with_entropy else None
-    return logp, entropy
+    too, so a 152k vocabulary costs ~0.6 GB per buffer instead of batch x length x vocab x 4
+    bytes. The backward rebuilds each chunk's softmax from the log-sum-exp the forward kept (one
+    pass, where autograd would recompute the log-softmax, run its backward, and scatter the
+    gathered gradient into zeros)."""
+    scale = 1.0 if temperature in (0, 1) else 1.0 / temperature
+    return _ChunkedLogProbs.apply(logits, tokens, scale, chunk_rows, with_entropy)
 
 
-def _chunk_log_probs(logits, tokens, temperature, with_entropy):
-    logits = logits.float()
-    if temperature not in (0, 1):
-        logits = logits / temperature
-    logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    return logp, entropy
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, scale, chunk_rows, with_entropy):
+        rows = logits.shape[0]
+        logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else None
+        for start in range(0, rows, chunk_rows):
+            part = slice(start, start + chunk_rows)
+            x = logits[part].to(torch.float32, copy=True)     # worked on in place below
+            if scale != 1.0:
+                x.mul_(scale)
+            picked = x.gather(-1, tokens[part, None]).squeeze(-1)
+            peak = x.amax(dim=-1)
+            shifted = x.sub_(peak[:, None])                 # <= 0: exp cannot overflow
+            if with_entropy:   # H = log Z - sum_v p_v x_v, with x shifted, Z = sum_v exp(x_v)
+                e = shifted.exp()
+                z = e.sum(-1)
+                entropy[part] = z.log() - e.mul_(shifted).sum(-1) / z
+            else:
+                z = shifted.exp_().sum(-1)
+            lse[part] = peak + z.log()
+            logp[part] = picked - lse[part]
+        ctx.save_for_backward(logits, tokens, lse, entropy)
+        ctx.scale, ctx.chunk_rows = scale, chunk_rows
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, tokens, lse, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
+            part = slice(start, start + ctx.chunk_rows)
+            log_p = logits[part].to(torch.float32, copy=True)
+            if ctx.scale != 1.0:
+                log_p.mul_(ctx.scale)
+            log_p.sub_(lse[part, None])
+            g = grad_logp[part] if grad_logp is not None else torch.zeros_like(lse[part])
+            # d logp_t / d x_v = [v = t] - p_v;  d H / d x_v = -p_v (log p_v + H)
+            if grad_entropy is not None:
+                p = log_p.exp()
+                chunk = p.mul_(log_p.add_(entropy[part, None]).mul_(-grad_entropy[part, None]).sub_(g[:, None]))
+            else:
+                chunk = log_p.exp_().mul_(-g[:, None])
+            chunk.scatter_add_(-1, tokens[part, None], g[:, None])
+            if ctx.scale != 1.0:
+                chunk.mul_(ctx.scale)
+            grad[part] = chunk
+        return grad, None, None, None, None
