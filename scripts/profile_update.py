@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -120,12 +121,15 @@ def main():
           f"{args.threads} thread(s)")
     for i in range(args.updates):
         phases.clear()
-        start = time.process_time()
+        start, faults = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         actor.update(t, grpo_loss)
         total = time.process_time() - start
-        print(f"update {i}: {total:.3f} s CPU ({', '.join(f'{k} {v:.3f}' for k, v in phases.items())})"
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        print(f"update {i}: {total:.3f} s CPU ({', '.join(f'{k} {v:.3f}' for k, v in phases.items())}), "
+              f"{faults * resource.getpagesize() / 2**30:.1f} GiB of pages first touched"
               + (" (warm-up)" if i == 0 else ""), flush=True)
     torch.Tensor.backward = backward
+    print(f"peak resident: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     peak = matmul_peak(tokens, size["hidden"], size["inter"], dtype)
     print(f"matmul floor: {floor_flop / 1e9:.0f} GFLOP / {peak:.0f} GFLOP/s = {floor_flop / peak / 1e9:.2f} s")
     if args.profile:
