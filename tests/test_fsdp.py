@@ -417,3 +417,29 @@ def test_a_config_that_disagrees_with_its_weights_is_refused_with_the_tensor_and
                                          r"by config.json; the config does not describe these weights") as error:
         load_hf_weights(model, path)
     assert "model." in str(error.value) or "lm_head" in str(error.value)
+
+
+def test_reused_buffers_hand_a_buffer_out_again_only_once_nothing_holds_it():
+    """FSDP2's communication buffers on CPU (workers/fsdp.py ReusedBuffers): the same storage
+    again once the caller dropped what it was given and every view of it, never while anything
+    holds it, and no more kept than the bound."""
+    from hflow.workers.fsdp import ReusedBuffers
+
+    cpu = torch.device("cpu")
+    pool = ReusedBuffers(max_bytes=1024)
+    a = pool.allocate((64,), dtype=torch.float32, device=cpu)   # 256 bytes, kept
+    first = a.data_ptr()
+    held = pool.allocate((64,), dtype=torch.float32, device=cpu)
+    assert held.data_ptr() != first                                # the caller still holds a
+    view = a[8:]
+    del a
+    assert pool.allocate((64,), dtype=torch.float32, device=cpu).data_ptr() != first   # a view holds it
+    del view
+    again = pool.allocate((64,), dtype=torch.float32, device=cpu)
+    assert again.data_ptr() == first                               # nothing holds it: reused
+    assert pool.allocate((64,), dtype=torch.bfloat16, device=cpu).dtype == torch.bfloat16
+    assert pool.allocate((32,), dtype=torch.float32, device=cpu).shape == (32,)
+    assert sum(t.numel() * t.element_size() for t in pool.kept) <= 1024
+    kept = len(pool.kept)
+    big = pool.allocate((1024,), dtype=torch.float32, device=cpu)  # 4 KiB: over the bound
+    assert len(pool.kept) == kept and big.shape == (1024,)
