@@ -6,7 +6,9 @@ with fp32 master weights where the CPU has bf16 instructions, as hflow's auto pi
 GRPO-shaped batch: --sequences rows (default 32, one rank's share of 16 prompts x 4), prompts of
 8-64 tokens, responses of 1-96 tokens drawn as the vary workload's lengths fall (EOS with
 probability 0.015 per token). Prints the process CPU time of each update (the first is a
-warm-up), the split into forward / backward / optimizer of the last ones, and, with --profile,
+warm-up), the split into forward / backward / optimizer, the memory each update first touched
+(minor page faults: on CPU, buffers freed and allocated again cost their pages each time), the
+process's peak resident set, and, with --profile,
 one update under torch.profiler by kind of op, with the matmul floor (forward + backward FLOPs /
 this script's measured matmul peak on the update's shapes, in the compute dtype).
 
