@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
@@ -276,8 +275,7 @@ class ReusedBuffers:
                 # count as a holder of its storage, and the buffer would be handed out while in use
                 return buffer.view(shape)
         buffer = torch.empty(shape, dtype=dtype, device=device)
-        nbytes = math.prod(shape) * buffer.element_size()
-        if sum(b.numel() * b.element_size() for b in self.kept) + nbytes <= self.max_bytes:
+        if sum(b.nbytes for b in self.kept) + buffer.nbytes <= self.max_bytes:
             self.kept.append(buffer)
             return buffer.view(shape)
         return buffer
