@@ -115,3 +115,43 @@ def test_shared_prompt_rows_read_their_last_token_and_positions():
     # the first response token of every row is predicted from its prompt's last token
     first = packed.cols == 0
     assert [int(ids[k]) for k in packed.predict_at[first]] == [prompts[w][-1] for w in which]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_attention_against_float64(dtype):
+    """Each bucket's attention (explicit matmuls on CPU in bf16, torch's SDPA in fp32), values
+    and gradients, against SDPA in float64: in bf16 as close as torch's own CPU kernel gets."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 23, heads, 16, dtype=torch.float64).transpose(1, 2).requires_grad_()
+               for heads in (8, 2, 2))
+    grad_out = torch.randn(3, 8, 23, 16, dtype=torch.float64)
+
+    def errors(attend):
+        inputs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out = attend(*inputs)
+        grads = torch.autograd.grad(out, inputs, grad_out.to(dtype))
+        return [(a.double() - b).abs().max().item() for a, b in zip((out, *grads), (expect, *expect_grads))]
+
+    expect = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3)
+    expect_grads = torch.autograd.grad(expect, (q, k, v), grad_out)
+    ours = errors(lambda *x: packing.causal_attention(*x, 0.3))
+    torchs = errors(lambda *x: torch.nn.functional.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True,
+                                                                                scale=0.3))
+    if dtype == torch.float32:
+        assert ours == torchs and max(ours) < 1e-5
+    else:   # bf16 rounding (2^-8 relative) of values ~1, and no more than torch's kernel's, give or take
+        assert max(ours) < 0.05 and all(a <= 2.5 * b + 1e-3 for a, b in zip(ours, torchs)), (ours, torchs)
+
+
+def test_packed_bf16_matches_the_padded_forward_to_bf16_rounding():
+    """In bf16 (the explicit-matmul attention on CPU) the packed log-probs are transformers'
+    eager padded forward's to within bf16 rounding."""
+    t = micro_batch()
+    reference = tiny_qwen2().bfloat16()
+    model = copy.deepcopy(reference)
+    model.config._attn_implementation = packing.register_attention()
+    with torch.no_grad():
+        expect = padded_log_probs(reference, t).float()
+        got = packed_log_probs(model, t, packing.BUCKET_OVERHEAD)[0].float()
+    assert expect.abs().max() > 1   # log-probs of ~97 tokens: ~ -4.6
+    assert (got - expect).abs().max() < 0.08, (got - expect).abs().max()

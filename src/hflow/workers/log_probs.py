@@ -8,11 +8,11 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
                     with_entropy: bool = False, chunk_rows: int = 1024):
     """log pi(token) = log_softmax(logits / T)[token], T = 1 when temperature is 0 (greedy);
     entropy H = -sum_v p_v log p_v of the same distribution. Computed in fp32, `chunk_rows`
-    positions at a time: the fp32 [rows, vocab] buffers exist for one chunk only, in the backward
-    too, so a 152k vocabulary costs ~0.6 GB per buffer instead of batch x length x vocab x 4
-    bytes. The backward rebuilds each chunk's softmax from the log-sum-exp the forward kept (one
-    pass, where autograd would recompute the log-softmax, run its backward, and scatter the
-    gathered gradient into zeros)."""
+    positions at a time: the fp32 [rows, vocab] buffer exists for one chunk only, in the backward
+    too, so a 152k vocabulary costs ~0.6 GB instead of batch x length x vocab x 4 bytes. The
+    backward rebuilds each chunk's softmax from the log-sum-exp the forward kept (one pass, where
+    autograd would recompute the log-softmax, run its backward, and scatter the gathered
+    gradient into zeros)."""
     scale = 1.0 if temperature in (0, 1) else 1.0 / temperature
     return _ChunkedLogProbs.apply(logits, tokens, scale, chunk_rows, with_entropy)
 
@@ -24,9 +24,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else None
+        # one fp32 chunk for every chunk, forward and backward: on CPU each fresh 0.6 GB buffer
+        # is pages the kernel must fault in and zero again (~0.3 s each at Qwen3's vocabulary)
+        scratch = logits.new_empty((min(rows, chunk_rows), logits.shape[1]), dtype=torch.float32)
         for start in range(0, rows, chunk_rows):
             part = slice(start, start + chunk_rows)
-            x = logits[part].to(torch.float32, copy=True)     # worked on in place below
+            x = scratch[:logits[part].shape[0]].copy_(logits[part])    # worked on in place below
             if scale != 1.0:
                 x.mul_(scale)
             picked = x.gather(-1, tokens[part, None]).squeeze(-1)
@@ -41,7 +44,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lse[part] = peak + z.log()
             logp[part] = picked - lse[part]
         ctx.save_for_backward(logits, tokens, lse, entropy)
-        ctx.scale, ctx.chunk_rows = scale, chunk_rows
+        ctx.scale, ctx.chunk_rows, ctx.scratch = scale, chunk_rows, scratch
         return logp, entropy
 
     @staticmethod
@@ -50,7 +53,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             part = slice(start, start + ctx.chunk_rows)
-            log_p = logits[part].to(torch.float32, copy=True)
+            log_p = ctx.scratch[:logits[part].shape[0]].copy_(logits[part])
             if ctx.scale != 1.0:
                 log_p.mul_(ctx.scale)
             log_p.sub_(lse[part, None])
@@ -65,4 +68,5 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if ctx.scale != 1.0:
                 chunk.mul_(ctx.scale)
             grad[part] = chunk
+        ctx.scratch = None
         return grad, None, None, None, None
