@@ -5,11 +5,13 @@ import torch
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
-                    with_entropy: bool = False, chunk_rows: int = 1024):
+                    with_entropy: bool = False, chunk_rows: int = 256):
     """log pi(token) = log_softmax(logits / T)[token], T = 1 when temperature is 0 (greedy);
     entropy H = -sum_v p_v log p_v of the same distribution. Computed in fp32, `chunk_rows`
     positions at a time: the fp32 [rows, vocab] buffer exists for one chunk only, in the backward
-    too, so a 152k vocabulary costs ~0.6 GB instead of batch x length x vocab x 4 bytes. The
+    too, so a 152k vocabulary costs ~0.16 GB instead of batch x length x vocab x 4 bytes (as
+    fast as chunks of 1024 rows at Qwen3's head on one thread, and 0.47 GB less held while
+    the head's backward runs). The
     backward rebuilds each chunk's softmax from the log-sum-exp the forward kept (one pass, where
     autograd would recompute the log-softmax, run its backward, and scatter the gathered
     gradient into zeros)."""
@@ -25,7 +27,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else None
         # one fp32 chunk for every chunk, forward and backward: on CPU each fresh 0.6 GB buffer
-        # is pages the kernel must fault in and zero again (~0.3 s each at Qwen3's vocabulary)
+        # is pages the kernel must fault in and zero again (~0.3 s per 0.6 GB)
         scratch = logits.new_empty((min(rows, chunk_rows), logits.shape[1]), dtype=torch.float32)
         for start in range(0, rows, chunk_rows):
             part = slice(start, start + chunk_rows)
