@@ -89,6 +89,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.workspace: torch.Tensor | None = None
+        self.cdf_scratch: torch.Tensor | None = None
         self.num_zeroed_blocks = 0
         self.packable, self.packed = can_pack(self.model.lm_head_weight), False
         self.num_copies = {"to_device": 0, "to_host": 0}
@@ -128,7 +129,7 @@ class ModelRunner:
             self.packed = self.model.pack_weights()
 
     def free_kv_cache(self) -> None:
-        self.kv_cache, self.kv_caches, self.workspace = None, [], None
+        self.kv_cache, self.kv_caches, self.workspace, self.cdf_scratch = None, [], None, None
 
     def _workspace_for(self, meta: AttentionMetadata) -> torch.Tensor:
         """Grow-only scratch for the gathers of a step: K and V halves of the largest one."""
@@ -136,6 +137,12 @@ class ModelRunner:
         if self.workspace is None or self.workspace.numel() < need:
             self.workspace = torch.empty(max(need, 1), dtype=self.kv_cache.dtype, device=self.kv_cache.device)
         return self.workspace
+
+    def _cdf_scratch(self, logits: torch.Tensor) -> torch.Tensor:
+        """Grow-only float64 scratch for the sampler's cdf (rows x vocab)."""
+        if self.cdf_scratch is None or self.cdf_scratch.numel() < logits.numel():
+            self.cdf_scratch = torch.empty(logits.numel(), dtype=torch.float64, device=logits.device)
+        return self.cdf_scratch
 
     # ---- batch preparation ----
 
@@ -254,7 +261,7 @@ class ModelRunner:
             input_ids, positions, meta = build(sent)
             meta.use_workspace(self._workspace_for(meta), self.kv_shape[3:])
             logits = self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches)).float()
-        tokens, logprobs = sample(logits, seqs, {k: sent[i] for k, i in sampling.items()})
+        tokens, logprobs = sample(logits, seqs, {k: sent[i] for k, i in sampling.items()}, self._cdf_scratch(logits))
         # one copy back: token ids are exact in float64, and so are fp32 log-probs
         out = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)))
         tp = self.model.tp
