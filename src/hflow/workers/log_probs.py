@@ -11,10 +11,9 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     positions at a time: the fp32 [rows, vocab] buffer exists for one chunk only, in the backward
     too, so a 152k vocabulary costs ~0.16 GB instead of batch x length x vocab x 4 bytes (as
     fast as chunks of 1024 rows at Qwen3's head on one thread, and 0.47 GB less held while
-    the head's backward runs). The
-    backward rebuilds each chunk's softmax from the log-sum-exp the forward kept (one pass, where
-    autograd would recompute the log-softmax, run its backward, and scatter the gathered
-    gradient into zeros)."""
+    the head's backward runs). The backward rebuilds each chunk's softmax from the log-sum-exp
+    the forward kept (one pass, where autograd would recompute the log-softmax, run its
+    backward, and scatter the gathered gradient into zeros)."""
     scale = 1.0 if temperature in (0, 1) else 1.0 / temperature
     return _ChunkedLogProbs.apply(logits, tokens, scale, chunk_rows, with_entropy)
 

@@ -98,12 +98,12 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Causal attention within each row: q [b, h, L, D], k/v [b, h_kv, L, D] (h_kv divides h)
-    -> [b, h, L, D]. On CPU in bf16 or fp16 as explicit matmuls with the softmax in fp32 (as
+    -> [b, h, L, D]. On CPU in bf16 as explicit matmuls with the softmax in fp32 (as
     transformers' eager attention): torch's CPU flash kernel took 2.0-2.6x their time there,
     forward + backward on one thread, at Qwen3-0.6B's heads (16 / 8 x 128) and at the 25M
     model's (8 / 4 x 64), over buckets of 46-157 tokens; in fp32 the flash kernel is the faster
-    (and fp64 keeps SDPA, which computes in fp64)."""
-    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+    (fp64 and the unmeasured fp16 keep SDPA too)."""
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     b, heads, L, D = q.shape
     kv_heads = k.shape[1]
