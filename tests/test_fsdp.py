@@ -420,10 +420,10 @@ def test_a_config_that_disagrees_with_its_weights_is_refused_with_the_tensor_and
 
 
 def test_reused_buffers_hand_a_buffer_out_again_only_once_nothing_holds_it():
-    """FSDP2's communication buffers on CPU (workers/fsdp.py ReusedBuffers): the same storage
+    """FSDP2's communication buffers on CPU (cpu_collectives.py ReusedBuffers): the same storage
     again once the caller dropped what it was given and every view of it, never while anything
     holds it, and no more kept than the bound."""
-    from hflow.workers.fsdp import ReusedBuffers
+    from hflow.cpu_collectives import ReusedBuffers
 
     cpu = torch.device("cpu")
     pool = ReusedBuffers(max_bytes=1024)

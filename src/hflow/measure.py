@@ -1,5 +1,5 @@
-"""Measuring a rank: the bytes its collectives receive, the bytes its ops allocate, and its
-peak memory.
+"""Measuring a rank: the bytes its collectives receive (gloo's, NCCL's, or through shared
+memory), the bytes its ops allocate, and its peak memory.
 
     with CollectiveBytes() as moved:
         ...                                    # moved.received, moved.calls
@@ -20,6 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hflow import cpu_collectives
+
 
 def _group_size(boxed) -> int:
     return torch.distributed.ProcessGroup.unbox(boxed).size()
@@ -35,6 +37,19 @@ class CollectiveBytes(TorchDispatchMode):
         super().__init__()
         self.received = 0
         self.calls: dict[str, int] = defaultdict(int)
+
+    def __enter__(self):
+        # the collectives of ranks on one host run as copies through shared memory (hflow.cpu_collectives)
+        cpu_collectives.RECEIVED_HOOKS.append(self._host)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        cpu_collectives.RECEIVED_HOOKS.remove(self._host)
+        return super().__exit__(*exc)
+
+    def _host(self, op: str, received: int) -> None:
+        self.calls[op] += 1
+        self.received += received
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hflow import lora
+from hflow.cpu_collectives import HostSharedMemory, host_shared_memory
 from hflow.parallel import device_of, local_group
 
 COLUMN_PARALLEL = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")
@@ -98,6 +99,9 @@ def generation_shard(param: DTensor, gen_mesh: DeviceMesh, dim: int | None,
         return _from_replicas(param, local, gen_mesh, dim, tp)
     (train_placement,) = param.placements
     k, world = train_placement.dim, gen_mesh.size()
+    host = host_shared_memory(param.device_mesh.get_group(), create=False) if tp == 1 else None
+    if host is not None and isinstance(train_placement, Shard) and param.shape[k] % world == 0:
+        return _gathered_on_host(host, local, k)
     if dim is not None and param.shape[k] % world == 0:
         view = DTensor.from_local(local, gen_mesh, (Shard(k), Shard(k)), run_check=False,
                                   shape=param.shape, stride=param.stride())
@@ -108,6 +112,15 @@ def generation_shard(param: DTensor, gen_mesh: DeviceMesh, dim: int | None,
     full = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride()).full_tensor()
     return full if dim is None else full.chunk(tp, dim)[gen_mesh.get_local_rank(0)]
+
+
+def _gathered_on_host(host: HostSharedMemory, local: torch.Tensor, k: int) -> torch.Tensor:
+    """The full tensor of even shards on dim `k`, all-gathered through the shared memory of the
+    ranks' host (hflow.cpu_collectives; FSDP2's CPU set-up made it): what the redistribute
+    below does over gloo at tp 1, in a fraction of the time."""
+    parts = local.new_empty((host.world, *local.shape))
+    host.all_gather(parts.view(-1), local.contiguous().view(-1))
+    return parts.view(-1, *local.shape[1:]) if k == 0 else torch.cat(parts.unbind(0), dim=k)
 
 
 def _from_replicas(param: DTensor, local: torch.Tensor, gen_mesh: DeviceMesh, dim: int | None, tp: int) -> torch.Tensor:

@@ -27,13 +27,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import Shard
 
 from hflow.engine.models.layers import cpu_bf16_instructions  # the engine packs bf16 on the same test
 from hflow.parallel import device_of, make_mesh
 from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
 from hflow.validation import ConfigError
+from hflow.cpu_collectives import REUSED_BUFFER_BYTES, ReusedBuffers, host_shared_memory
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -227,64 +227,13 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Modul
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     if device.type == "cpu":
-        buffers = ReusedBuffers(REUSED_BUFFER_BYTES)
+        group = mesh.get_group("shard") if mesh.ndim == 2 else mesh.get_group()
+        buffers = ReusedBuffers(REUSED_BUFFER_BYTES, host_shared_memory(group))
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(buffers.all_gather)
                 module.set_custom_reduce_scatter(buffers.reduce_scatter)
     return model
-
-
-# What a CPU rank keeps of FSDP2's communication buffers between uses: a Qwen3-0.6B layer's
-# gathered bf16 weights (31 MB) and fp32 gradients to reduce (63 MB on 2 ranks), a few of each.
-REUSED_BUFFER_BYTES = 512 * 2**20
-
-
-class ReusedBuffers:
-    """FSDP2's all-gather outputs and reduce-scatter buffers, handed out again on CPU.
-
-    Why: on CPU each of them is fresh memory from the kernel (glibc maps a block over 32 MiB
-    anew and unmaps it when freed), so every layer's gather and every gradient reduction
-    first-touched its pages: in one Qwen3-0.6B update (one process, 2 threads) the fp32 copies
-    into the reduce-scatter inputs alone faulted in 1.2 GiB and took 2.0 s of 41. A GPU's
-    caching allocator does this reuse already. Each caller gets a view of a kept buffer, and a
-    buffer is handed out again only once no view of it is alive (FSDP's reference, an op in
-    flight, a gradient that is a view of a reduction's output); at most `max_bytes` are kept,
-    the rest allocated as before."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.kept: list[torch.Tensor] = []
-        pool = self
-
-        class AllGather(DefaultAllGather):
-            def allocate(self, size, *, dtype, device):
-                return pool.allocate(size, dtype=dtype, device=device)
-
-        class ReduceScatter(DefaultReduceScatter):
-            def allocate(self, size, *, dtype, device):
-                return pool.allocate(size, dtype=dtype, device=device)
-
-        self.all_gather, self.reduce_scatter = AllGather(), ReduceScatter()
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        shape = torch.Size(int(s) for s in size)
-        for buffer in self.kept:
-            if buffer.shape == shape and buffer.dtype == dtype and buffer.device == device and _unshared(buffer):
-                # a view, never the kept tensor itself: holding the same tensor object would not
-                # count as a holder of its storage, and the buffer would be handed out while in use
-                return buffer.view(shape)
-        buffer = torch.empty(shape, dtype=dtype, device=device)
-        if sum(b.nbytes for b in self.kept) + buffer.nbytes <= self.max_bytes:
-            self.kept.append(buffer)
-            return buffer.view(shape)
-        return buffer
-
-
-def _unshared(buffer: torch.Tensor) -> bool:
-    """Nothing holds `buffer`'s storage but `buffer` itself (2: its own reference and that of the
-    Python storage object made to ask)."""
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2
 
 
 def materialize(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> None:

@@ -1,0 +1,82 @@
+"""FSDP2's collectives through shared memory between the ranks of one host (cpu_collectives.py)
+give what gloo's give, in pieces too, and leave nothing behind in /dev/shm."""
+import os
+
+import pytest
+from dist import torchrun
+
+COLLECTIVES = """
+import glob, sys, torch, torch.distributed as dist
+from hflow.cpu_collectives import HostSharedMemory
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+before = set(glob.glob("/dev/shm/hflow-*"))
+group = dist.new_group(list(range(world)))
+assert HostSharedMemory.on_one_host(group)
+# 48-byte slots: every tensor below goes through in many pieces, one not filling its slot
+for slot_bytes in (48, 2**20):
+    host = HostSharedMemory(group, slot_bytes=slot_bytes)
+    g = torch.Generator().manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 7, 1000):
+            x = torch.randn(n, generator=g).to(dtype)
+            want, got = torch.empty(world * n, dtype=dtype), torch.full((world * n,), float("nan"), dtype=dtype)
+            dist.all_gather_into_tensor(want, x, group=group)
+            host.all_gather(got, x)
+            assert torch.equal(got, want), ("all_gather", slot_bytes, dtype, n)
+            y = torch.randn(world * n, generator=g).to(dtype)
+            for op in HostSharedMemory.OPS:
+                want, got = torch.empty(n, dtype=dtype), torch.full((n,), float("nan"), dtype=dtype)
+                # the oracle: every rank's input gathered, summed by hand in float64
+                everyone = torch.empty(world * world * n, dtype=dtype)
+                dist.all_gather_into_tensor(everyone, y, group=group)
+                exact = everyone.double().view(world, world, n)[:, rank].sum(0)
+                if op == dist.ReduceOp.AVG:
+                    exact /= world
+                host.reduce_scatter(got, y, op)
+                tol = 1e-6 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol * 4)
+    dist.barrier()
+assert set(glob.glob("/dev/shm/hflow-*")) == before, "a shared-memory file was left behind"
+sys.stdout.write(f"ok {rank}\\n")  # one write: the ranks share the pipe
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_collectives_equal_gloos_in_pieces_and_leave_no_file(tmp_path, world):
+    run = torchrun(COLLECTIVES, nproc=world, tmp_path=tmp_path, timeout=240).check()
+    assert run.output.count("ok ") == world
+
+
+FSDP_USES_IT = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from hflow import cpu_collectives
+from hflow.workers.fsdp import FSDPConfig, shard_model
+
+calls = []
+for name in ("all_gather", "reduce_scatter"):
+    real = getattr(cpu_collectives.HostSharedMemory, name)
+    setattr(cpu_collectives.HostSharedMemory, name,
+            lambda self, *a, _real=real, _name=name: (calls.append(_name), _real(self, *a))[1])
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+model = shard_model(Qwen2ForCausalLM(config), mesh, FSDPConfig(param_dtype="float32", shard_size=2))
+ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+model(input_ids=ids).logits.square().mean().backward()
+assert calls.count("all_gather") >= 3 and calls.count("reduce_scatter") >= 3, calls
+sys.stdout.write(f"ok {dist.get_rank()}\\n")
+"""
+
+
+@pytest.mark.dist
+def test_fsdp_on_cpu_runs_its_collectives_through_shared_memory(tmp_path):
+    """The 1-rank == 2-rank training test (test_fsdp.py) checks the numbers; this checks that
+    they came through the shared memory (3 units: 2 layers and the root)."""
+    run = torchrun(FSDP_USES_IT, nproc=2, tmp_path=tmp_path, timeout=240).check()
+    assert run.output.count("ok ") == 2
