@@ -27,6 +27,9 @@ ranks, each sharded inside its group) a rank gathers the full tensor inside its 
 and slices it: nothing moves when the groups are single ranks (replicated weights, the CPU
 default), the full tensor's worth otherwise.
 
+On CPU at tp_g = 1 with the ranks on one host, the all-gather goes through the shared memory
+FSDP2's own collectives use there (hflow.cpu_collectives), not gloo.
+
 Parameters are produced one at a time, in module order (layer by layer): the extra memory
 in flight is one tensor's generation shard plus its communication buffers.
 """
