@@ -80,3 +80,26 @@ def test_fsdp_on_cpu_runs_its_collectives_through_shared_memory(tmp_path):
     they came through the shared memory (3 units: 2 layers and the root)."""
     run = torchrun(FSDP_USES_IT, nproc=2, tmp_path=tmp_path, timeout=240).check()
     assert run.output.count("ok ") == 2
+
+
+NO_ROOM = """
+import sys, torch, torch.distributed as dist
+from hflow import cpu_collectives
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank == 1:   # as a /dev/shm too small for the slots (Docker's default 64 MB) on one rank
+    cpu_collectives._reserve = lambda path, nbytes: False
+group = dist.new_group([0, 1])
+assert cpu_collectives.host_shared_memory(group) is None    # on both ranks: gloo for all
+x = torch.full((4,), float(rank + 1))
+dist.all_reduce(x, group=group)
+assert x.tolist() == [3.0] * 4
+sys.stdout.write(f"fell back {rank}\\\\n")
+"""
+
+
+@pytest.mark.dist
+def test_a_rank_without_room_in_dev_shm_sends_the_whole_group_to_gloo(tmp_path):
+    run = torchrun(NO_ROOM, nproc=2, tmp_path=tmp_path, timeout=120).check()
+    assert run.output.count("fell back ") == 2
+    assert "/dev/shm could not hold 64 MiB for each of 1 of the 2 ranks" in run.output

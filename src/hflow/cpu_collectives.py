@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+import weakref
 from typing import Callable
 
 import torch
@@ -103,24 +104,36 @@ class HostSharedMemory:
 
     Two slots per rank, used in turn: a rank writes slot s again only two collectives later,
     after a barrier every other rank reached once done reading s. Each rank's slots are a file
-    in /dev/shm that every rank maps and that is unlinked as soon as they have (nothing is left
-    behind by a crash)."""
+    in /dev/shm whose pages are allocated at once (a /dev/shm too small, as Docker's default
+    64 MB, fails here, on every rank alike, rather than with SIGBUS at a later write), that
+    every rank maps, and that is unlinked as soon as they have. The group is held weakly: this
+    object does not keep a destroyed process group alive."""
 
     OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
     def __init__(self, group: dist.ProcessGroup, slot_bytes: int = SLOT_BYTES):
-        self.group, self.slot_bytes = group, slot_bytes
+        self._group, self.slot_bytes = weakref.ref(group), slot_bytes
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        path = f"/dev/shm/hflow-{uuid.uuid4().hex}"
-        mine = torch.from_file(path, shared=True, size=2 * slot_bytes, dtype=torch.uint8)
-        paths = [None] * self.world
-        dist.all_gather_object(paths, path, group=group)
-        self.regions = [mine if r == self.rank else torch.from_file(p, shared=True, size=2 * slot_bytes,
-                                                                      dtype=torch.uint8)
-                        for r, p in enumerate(paths)]
+        path, size = f"/dev/shm/hflow-{uuid.uuid4().hex}", 2 * slot_bytes
+        reserved = _reserve(path, size)
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, (reserved, path), group=group)
+        if not all(ok for ok, _ in everyone):
+            if reserved:
+                os.unlink(path)
+            raise OSError(f"/dev/shm could not hold {size / 2**20:.0f} MiB for each of "
+                          f"{sum(not ok for ok, _ in everyone)} of the {self.world} ranks")
+        self.regions = [torch.from_file(p, shared=True, size=size, dtype=torch.uint8) for _, p in everyone]
         dist.barrier(group=group)
         os.unlink(path)
         self.turn = 0
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError("the process group of this shared memory was destroyed")
+        return group
 
     @staticmethod
     def on_one_host(group: dist.ProcessGroup) -> bool:
@@ -177,14 +190,39 @@ class HostSharedMemory:
             hook("host_reduce_scatter", input.nbytes - output.nbytes)
 
 
-_HOST_MEMORY: dict[dist.ProcessGroup, HostSharedMemory | None] = {}
+def _reserve(path: str, nbytes: int) -> bool:
+    """Create `path` with `nbytes` of pages allocated now; False where it cannot be (no
+    /dev/shm, or too little room in it)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return True
+    except OSError:
+        os.unlink(path)
+        return False
+    finally:
+        os.close(fd)
+
+
+# one per process group, dropped with it; None where shared memory does not apply
+_HOST_MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def host_shared_memory(group: dist.ProcessGroup, create: bool = True) -> HostSharedMemory | None:
     """The HostSharedMemory of `group` (made the first time: a collective over `group`), one
-    per process group; None for a single rank or a group that spans hosts (gloo then). With
-    `create` False, only one made before (by workers/fsdp.py's CPU set-up), else None."""
+    per process group; None for a single rank, a group that spans hosts, or a /dev/shm that
+    cannot hold it (gloo then). With `create` False, only one made before (by workers/fsdp.py's
+    CPU set-up), else None."""
     if group not in _HOST_MEMORY and create:
-        one_host = dist.get_world_size(group) > 1 and HostSharedMemory.on_one_host(group)
-        _HOST_MEMORY[group] = HostSharedMemory(group) if one_host else None
+        host = None
+        if dist.get_world_size(group) > 1 and HostSharedMemory.on_one_host(group):
+            try:
+                host = HostSharedMemory(group)
+            except OSError as e:
+                if dist.get_rank(group) == 0:
+                    print(f"hflow: {e}: FSDP's collectives on CPU go over gloo", flush=True)
+        _HOST_MEMORY[group] = host
     return _HOST_MEMORY.get(group)
