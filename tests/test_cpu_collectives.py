@@ -6,7 +6,7 @@ import pytest
 from dist import torchrun
 
 COLLECTIVES = """
-import glob, sys, torch, torch.distributed as dist
+import glob, os, sys, torch, torch.distributed as dist
 from hflow.cpu_collectives import HostSharedMemory
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -39,6 +39,11 @@ for slot_bytes in (48, 2**20):
     dist.barrier()
 assert set(glob.glob("/dev/shm/hflow-*")) == before, "a shared-memory file was left behind"
 sys.stdout.write(f"ok {rank}\\n")  # one write: the ranks share the pipe
+# tearing down gloo groups sometimes aborts a rank at exit ("terminate called without an active
+# exception", as tests/programs/reshard_generation_shards.py says): leave at once when all are done
+dist.barrier()
+sys.stdout.flush()
+os._exit(0)
 """
 
 
@@ -50,7 +55,7 @@ def test_shared_memory_collectives_equal_gloos_in_pieces_and_leave_no_file(tmp_p
 
 
 FSDP_USES_IT = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from hflow import cpu_collectives
@@ -70,20 +75,32 @@ model = shard_model(Qwen2ForCausalLM(config), mesh, FSDPConfig(param_dtype="floa
 ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
 model(input_ids=ids).logits.square().mean().backward()
 assert calls.count("all_gather") >= 3 and calls.count("reduce_scatter") >= 3, calls
+# the engine's tp-1 gather of the weights too, equal to DTensor's own gather over gloo
+from hflow.reshard import generation_mesh, generation_weights
+params, before = dict(model.named_parameters()), calls.count("all_gather")
+for name, weight in generation_weights(model, generation_mesh(mesh, 1)):
+    assert torch.equal(weight, params[name].full_tensor()), name
+assert calls.count("all_gather") >= before + len(params), (calls.count("all_gather") - before, len(params))
 sys.stdout.write(f"ok {dist.get_rank()}\\n")
+# tearing down gloo groups sometimes aborts a rank at exit ("terminate called without an active
+# exception", as tests/programs/reshard_generation_shards.py says): leave at once when all are done
+dist.barrier()
+sys.stdout.flush()
+os._exit(0)
 """
 
 
 @pytest.mark.dist
 def test_fsdp_on_cpu_runs_its_collectives_through_shared_memory(tmp_path):
     """The 1-rank == 2-rank training test (test_fsdp.py) checks the numbers; this checks that
-    they came through the shared memory (3 units: 2 layers and the root)."""
+    they came through the shared memory (3 units: 2 layers and the root), and that the
+    engine's weights are gathered through it too, equal to DTensor's own gather."""
     run = torchrun(FSDP_USES_IT, nproc=2, tmp_path=tmp_path, timeout=240).check()
     assert run.output.count("ok ") == 2
 
 
 NO_ROOM = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 from hflow import cpu_collectives
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -95,6 +112,9 @@ x = torch.full((4,), float(rank + 1))
 dist.all_reduce(x, group=group)
 assert x.tolist() == [3.0] * 4
 sys.stdout.write(f"fell back {rank}\\\\n")
+dist.barrier()
+sys.stdout.flush()
+os._exit(0)   # as above
 """
 
 
