@@ -143,7 +143,7 @@ class HostSharedMemory:
         return len(set(hosts)) == 1
 
     def serves(self, group: dist.ProcessGroup) -> bool:
-        return group is self.group or dist.get_process_group_ranks(group) == dist.get_process_group_ranks(self.group)
+        return group is self._group()
 
     def _slot(self, rank: int, dtype: torch.dtype, turn: int) -> torch.Tensor:
         region = self.regions[rank][turn * self.slot_bytes:(turn + 1) * self.slot_bytes]
@@ -157,12 +157,12 @@ class HostSharedMemory:
         """output = the ranks' inputs one after another (dist.all_gather_into_tensor)."""
         n = input.numel()
         piece = self.slot_bytes // input.element_size()
+        out = output.view(self.world, n)
         for a in range(0, n, piece):
             b = min(n, a + piece)
             turn = self._next_turn()
             self._slot(self.rank, input.dtype, turn)[:b - a].copy_(input.view(-1)[a:b])
             dist.barrier(group=self.group)
-            out = output.view(self.world, n)
             for r in range(self.world):
                 out[r, a:b].copy_(self._slot(r, input.dtype, turn)[:b - a])
         for hook in RECEIVED_HOOKS:
