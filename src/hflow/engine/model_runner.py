@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hflow.engine.attention import AttentionMetadata, DecodeBucket, PrefillSeq, gathered_blocks, plan_buckets
 from hflow.engine.block_manager import BlockManager
-from hflow.engine.models.layers import PACKED_MIN_ROWS, can_pack
+from hflow.engine.models.layers import can_pack
 from hflow.engine.models.llama import CausalLM
 from hflow.engine.sampler import host_inputs, sample
 from hflow.engine.sequence import Sequence
@@ -69,7 +69,7 @@ class PrefillBatch:
     copies: tuple[torch.Tensor, torch.Tensor] | None  # (leader blocks, follower blocks) to copy after the forward
 
 
-# The matmuls switch to packed weights (models/layers.py) at a decode step of PACKED_MIN_ROWS to
+# The matmuls switch to packed weights (models/layers.py) at a decode step of at most
 # PACK_MAX_ROWS rows with at least PACK_MIN_STEPS steps ahead. Measured on the 2-core machine
 # (25M model, idle): packing costs 50 ms at 1 thread (35 ms at 2); per decode step it saves
 # 25-40 % of the matmul time at 4-16 rows, 7-12 % at 32, ~1-5 % at 64 (more when another
@@ -124,7 +124,7 @@ class ModelRunner:
             self.packed = False
 
     def _maybe_pack(self, seqs: list[Sequence]) -> None:
-        if self.packable and not self.packed and PACKED_MIN_ROWS <= len(seqs) <= PACK_MAX_ROWS and max(
+        if self.packable and not self.packed and len(seqs) <= PACK_MAX_ROWS and max(
                 min(s.params.max_tokens - s.num_completion_tokens, s.max_len - len(s)) for s in seqs) >= PACK_MIN_STEPS:
             self.packed = self.model.pack_weights()
 
