@@ -248,13 +248,16 @@ def whole_batch_gradient(path, batch, agg):
 
 
 @pytest.mark.dist
-def test_every_micro_batching_and_rank_count_gives_the_aggregation_asked_for(tmp_path):
+@pytest.mark.parametrize("tie", [False, True])
+def test_every_micro_batching_and_rank_count_gives_the_aggregation_asked_for(tmp_path, tie):
     """Sequences of 1 to 7 tokens: the gradient of one update with micro-batches of 1, 2 or all
     sequences, on 1 and on 2 ranks, equals the gradient of the whole mini-batch's loss for each
-    aggregation (token-mean: a mean over tokens; seq-mean-*: a mean over sequences)."""
+    aggregation (token-mean: a mean over tokens; seq-mean-*: a mean over sequences). Tied: the
+    embedding's part of the shared weight's gradient goes in place into the head's
+    (hf_model._embedding_grad_into_head_grad), against autograd's own sum in the oracle."""
     from hflow import algos
 
-    path = tiny_model_dir(tmp_path / "model")
+    path = tiny_model_dir(tmp_path / "model", tie=tie)
     runs = {}
     for world in (1, 2):
         torchrun(LOSS_AGG, nproc=world, args=[path, tmp_path / f"agg{world}.pt"],
@@ -443,3 +446,52 @@ def test_reused_buffers_hand_a_buffer_out_again_only_once_nothing_holds_it():
     kept = len(pool.kept)
     big = pool.allocate((1024,), dtype=torch.float32, device=cpu)  # 4 KiB: over the bound
     assert len(pool.kept) == kept and big.shape == (1024,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_embedding_adds_its_gradient_into_the_heads_as_autograd_would(tmp_path, dtype):
+    """The lookup's gradient added row by row into the tied weight's gradient (in place of
+    autograd's dense embedding gradient and out-of-place sum) equals autograd's: repeated
+    tokens summed, the padding token's row left out, in fp32 and bf16 (there as close to the
+    exact sum of the two parts as autograd's, or closer); untied models keep autograd's path."""
+    from transformers import AutoModelForCausalLM
+
+    from hflow.workers.hf_model import _embedding_grad_into_head_grad, tied_plain_embedding
+
+    path = tiny_model_dir(tmp_path / "model", tie=True)
+    ids = torch.tensor([[5, 9, 0, 5, 7, 9, 5, 0, 100, 3]])   # repeats, and the padding id 0 inside
+    grads, parts = [], {}
+    for hooked in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        emb = model.get_input_embeddings()
+        assert tied_plain_embedding(model) and emb.padding_idx == 0
+        if hooked:
+            def capture(module, args, output):   # the lookup's part, for the exact sum
+                out = _embedding_grad_into_head_grad(module, args, output)
+                out.register_hook(lambda g: parts.update(rows=g[0].double()))
+                return out
+            emb.register_forward_hook(capture)
+            # the head's part: what AccumulateGrad stores before the lookup's gradient arrives
+            emb.weight.register_post_accumulate_grad_hook(lambda w: parts.update(head=w.grad.double()))
+        logits = model(input_ids=ids).logits.float()
+        (torch.log_softmax(logits, -1)[0, :-1].gather(-1, ids[0, 1:, None]) * torch.arange(9.0)[:, None]).sum().backward()
+        grads.append(emb.weight.grad)
+    autograd, hooked = grads
+    assert autograd[5].abs().sum() > 0 and autograd[0].abs().sum() > 0   # rows the lookup and the head both reach
+    if dtype == torch.float32:
+        torch.testing.assert_close(hooked, autograd, rtol=1e-6, atol=1e-7)
+    else:
+        # a token looked up once: the same bf16 sum of the head's part and its row, bit for bit
+        repeated = [5, 9]
+        once = torch.tensor([t for t in range(autograd.shape[0]) if t not in repeated])
+        assert torch.equal(hooked[once], autograd[once])
+        # repeated tokens: their rows summed in fp32 here, in bf16 by autograd
+        keep = ids[0] != 0
+        exact = parts["head"].index_add(0, ids[0][keep], parts["rows"][keep])[repeated]
+        ours, theirs = (hooked[repeated].double() - exact).abs(), (autograd[repeated].double() - exact).abs()
+        rows = torch.zeros_like(parts["head"]).index_add(0, ids[0][keep], parts["rows"][keep])[repeated]
+        # two bf16 roundings: of the rows' fp32 sum, then of its sum with the head's part
+        assert (ours <= (rows.abs() + exact.abs()) * 2**-8).all(), (ours / (rows.abs() + exact.abs())).max()
+        assert ours.sum() <= theirs.sum(), (ours.sum(), theirs.sum())
+    untied = AutoModelForCausalLM.from_pretrained(tiny_model_dir(tmp_path / "untied", tie=False))
+    assert not tied_plain_embedding(untied)
