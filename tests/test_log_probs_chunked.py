@@ -66,3 +66,27 @@ def test_peak_memory_is_bounded_by_a_chunk_not_the_batch():
     # ...against the bf16 gradient of the logits (2 bytes per entry, unavoidable) plus a few
     # fp32 buffers of one chunk
     assert chunked < rows * vocab * 2 + 8 * 256 * vocab * 4
+
+
+def test_the_gradient_written_over_the_logits_is_the_same_and_holds_no_second_buffer():
+    """grad_into_logits: the same gradient as into a new buffer, one [rows, vocab] buffer less
+    at the backward's peak; refused on a leaf, and autograd's in-place error (not a wrong
+    gradient) where another op saved the logits for its own backward."""
+    torch.manual_seed(0)
+    rows, vocab = 512, 2048
+    hidden = torch.randn(rows, vocab, dtype=torch.bfloat16, requires_grad=True)
+    tokens = torch.randint(0, vocab, (rows,))
+    grads, peaks = {}, {}
+    for into in (False, True):
+        with AllocatedBytes() as allocated:
+            logp, entropy = token_log_probs(hidden * 1.0, tokens, 0.7, with_entropy=True, grad_into_logits=into)
+            (grads[into],) = torch.autograd.grad((logp * torch.arange(rows)).sum() + entropy.sum(), hidden)
+        peaks[into] = allocated.peak
+    assert torch.equal(grads[True], grads[False])
+    assert peaks[False] - peaks[True] >= rows * vocab * 2   # the bf16 gradient buffer
+    with pytest.raises(ValueError, match="leaf"):
+        token_log_probs(hidden, tokens, grad_into_logits=True)
+    logp, _ = token_log_probs(torch.tanh(hidden), tokens, grad_into_logits=True)   # tanh saves its output
+    with pytest.raises(RuntimeError, match="inplace"):
+        logp.sum().backward()
+

@@ -74,7 +74,8 @@ class Actor(ModelWorker):
         packed = packing.pack(mb)
         out = self.model(**packed.model_inputs(), logits_to_keep=packed.predict_at)
         # squeeze, not [0]: its backward is a view, where select's zero-fills and copies a [K, V] gradient
-        logp, entropy = token_log_probs(out.logits.squeeze(0), packed.targets, temperature, with_entropy)
+        logp, entropy = token_log_probs(out.logits.squeeze(0), packed.targets, temperature, with_entropy,
+                                        grad_into_logits=torch.is_grad_enabled())
         return packed.unpack(logp), None if entropy is None else packed.unpack(entropy)
 
     @dispatch("dp", balance=packed_row_tokens)

@@ -5,7 +5,7 @@ import torch
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
-                    with_entropy: bool = False, chunk_rows: int = 256):
+                    with_entropy: bool = False, chunk_rows: int = 256, grad_into_logits: bool = False):
     """log pi(token) = log_softmax(logits / T)[token], T = 1 when temperature is 0 (greedy);
     entropy H = -sum_v p_v log p_v of the same distribution. Computed in fp32, `chunk_rows`
     positions at a time: the fp32 [rows, vocab] buffer exists for one chunk only, in the backward
@@ -13,14 +13,22 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     fast as chunks of 1024 rows at Qwen3's head on one thread, and 0.47 GB less held while
     the head's backward runs). The backward rebuilds each chunk's softmax from the log-sum-exp
     the forward kept (one pass, where autograd would recompute the log-softmax, run its
-    backward, and scatter the gathered gradient into zeros)."""
+    backward, and scatter the gathered gradient into zeros).
+
+    grad_into_logits: the backward writes the logits' gradient over the logits themselves,
+    chunk by chunk once each is read, instead of into a new [rows, vocab] buffer (0.3 GB at
+    Qwen3-0.6B's head, held at the moment the head's backward runs, the update's peak). For
+    logits the caller does not read after the backward and that are not a leaf; an op that saved
+    them for its own backward (a soft-cap's tanh) makes autograd raise its in-place error."""
+    if grad_into_logits and logits.grad_fn is None:
+        raise ValueError("grad_into_logits would overwrite a leaf tensor's values: the caller's own")
     scale = 1.0 if temperature in (0, 1) else 1.0 / temperature
-    return _ChunkedLogProbs.apply(logits, tokens, scale, chunk_rows, with_entropy)
+    return _ChunkedLogProbs.apply(logits, tokens, scale, chunk_rows, with_entropy, grad_into_logits)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, scale, chunk_rows, with_entropy):
+    def forward(ctx, logits, tokens, scale, chunk_rows, with_entropy, grad_into_logits):
         rows = logits.shape[0]
         logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(logp)
@@ -45,13 +53,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lse[part] = peak + z.log()
             logp[part] = picked - lse[part]
         ctx.save_for_backward(logits, tokens, lse, entropy)
-        ctx.scale, ctx.chunk_rows, ctx.scratch = scale, chunk_rows, scratch
+        ctx.scale, ctx.chunk_rows, ctx.scratch, ctx.grad_into_logits = scale, chunk_rows, scratch, grad_into_logits
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, tokens, lse, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
+        # chunk i is read into the scratch before its gradient is written: in place is safe
+        grad = logits.detach() if ctx.grad_into_logits else torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             part = slice(start, start + ctx.chunk_rows)
             log_p = ctx.scratch[:logits[part].shape[0]].copy_(logits[part])
@@ -70,4 +79,4 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 chunk.mul_(ctx.scale)
             grad[part] = chunk
         ctx.scratch = None
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
