@@ -16,8 +16,8 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     backward, and scatter the gathered gradient into zeros).
 
     grad_into_logits: the backward writes the logits' gradient over the logits themselves,
-    chunk by chunk once each is read, instead of into a new [rows, vocab] buffer (0.3 GB at
-    Qwen3-0.6B's head, held at the moment the head's backward runs, the update's peak). For
+    chunk by chunk once each is read, instead of into a new [rows, vocab] buffer (0.2-0.3 GB
+    at Qwen3-0.6B's head, fresh pages on CPU, while the head's backward runs). For
     logits the caller does not read after the backward and that are not a leaf; an op that saved
     them for its own backward (a soft-cap's tanh) makes autograd raise its in-place error."""
     if grad_into_logits and logits.grad_fn is None:
