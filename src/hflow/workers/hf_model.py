@@ -102,7 +102,7 @@ def _embedding_grad_into_head_grad(module: nn.Embedding, args, output: torch.Ten
     in fp32 as autograd's CPU backward sums it. The head's part reaches weight.grad first (its
     backward runs before any layer's); if it has not, AccumulateGrad adds it to what is there."""
     weight = module.weight   # under FSDP2: the unsharded parameter the head's gradient goes to
-    if not (torch.is_grad_enabled() and weight.requires_grad):
+    if not (torch.is_grad_enabled() and weight.requires_grad and args):   # ids by keyword: autograd's path
         return output
     ids = args[0].reshape(-1)
     lookup = output.detach().requires_grad_()
