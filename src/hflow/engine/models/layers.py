@@ -47,7 +47,6 @@ def _param(*shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-
 def cpu_bf16_instructions() -> str | None:
     """The CPU's bf16 matmul instructions oneDNN uses ("AMX": Intel Sapphire Rapids and later;
     "AVX512-BF16": Intel Cooper Lake, AMD Zen 4 and later), or None where bf16 is emulated."""
