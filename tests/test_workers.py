@@ -88,3 +88,58 @@ def test_dropout_is_off_and_a_non_finite_step_is_skipped(tmp_path):
     assert saved["unchanged"] and saved["changed"]
     # warm-up over 4 steps: the first step taken runs at lr/4, however many were skipped before it
     assert nan["actor/lr"] == after["actor/lr"] == 1e-2 / 4
+
+
+ENGINE_MEMORY = r'''
+import os, sys
+import torch, torch.distributed as dist
+from hflow.batch import Batch
+from hflow.workers import Actor, ActorConfig, RolloutConfig
+import hflow.workers.hybrid_engine as hybrid_engine
+
+def resident_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+dist.init_process_group("gloo")
+actor = Actor(dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)), ActorConfig(model_path=sys.argv[1]))
+rollout = RolloutConfig(n=4, max_tokens=24, temperature=1.0, progress=False, kv_cache_bytes=32 << 20)
+prompts = Batch({"prompt_ids": [[3, 4, 5, 6, 7]] * 8})
+
+def one_rollout():
+    before = resident_mib()
+    actor.begin_rollout(rollout)
+    actor.sample(prompts, rollout)
+    awake = resident_mib()
+    actor.end_rollout()
+    return awake - before, resident_mib() - before
+
+one_rollout()   # the heap's first growth
+for label in ("released", "kept"):
+    if label == "kept":
+        hybrid_engine.release_freed_memory = lambda device: False
+    awake, asleep = one_rollout()
+    print(f"{label}: awake +{awake:.0f} MiB, asleep +{asleep:.0f} MiB", flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(getattr(__import__("ctypes").CDLL(None), "malloc_trim", None) is None,
+                    reason="glibc's malloc_trim only")
+def test_end_rollout_gives_the_engines_memory_back(tmp_path):
+    """What the engine held (weights, their packed copies, the KV cache: ~120 MiB here) leaves
+    the process's resident memory at end_rollout, as the update will want it. Without the
+    release glibc keeps much of it in its heap (the control half of the run)."""
+    import re
+    path = tiny_model_dir(tmp_path / "model", vocab=4096, layers=8, hidden=512, shard=False)
+    run = torchrun(ENGINE_MEMORY, nproc=1, args=[path], tmp_path=tmp_path, timeout=300,
+                   env={**TESTS_ENV, "HFLOW_DEVICE": "cpu"}).check()
+    figures = {label: (float(awake), float(asleep)) for label, awake, asleep in
+               re.findall(r"(\w+): awake \+(-?\d+) MiB, asleep \+(-?\d+) MiB", run.output)}
+    (awake, released), (awake_kept, kept) = figures["released"], figures["kept"]
+    assert awake > 60 and awake_kept > 60, run.output
+    # the control: glibc keeps 40-90 % of it resident (how much depends on where the heap's top
+    # ended up), the release all but a few MiB
+    assert kept > 0.25 * awake_kept, run.output
+    assert released < 0.15 * awake, run.output

@@ -1,4 +1,5 @@
-"""The worker side of the controller seam: this rank's device and the meshes worker code builds.
+"""The worker side of the controller seam: this rank's device, the meshes worker code builds, and
+giving the device's freed memory back (release_freed_memory).
 
 `hflow.launch` sets the device once per rank; workers, the engine and the resharding read it
 and build their own meshes here, so nothing under workers/ or engine/ imports the controller
@@ -6,6 +7,7 @@ and build their own meshes here, so nothing under workers/ or engine/ imports th
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import torch
@@ -69,6 +71,29 @@ def device_of(mesh: DeviceMesh) -> torch.device:
     if device.type == mesh.device_type and device.index is not None:
         return device
     return torch.device(mesh.device_type, torch.cuda.current_device())
+
+
+def release_freed_memory(device: torch.device) -> bool:
+    """Give the memory of freed tensors, which the allocator keeps for reuse, back to the
+    system, so that the next phase can have it; returns whether there was a way to (False on a
+    CPU whose C library has no malloc_trim: not glibc).
+
+    On CUDA that is the caching allocator's cache (torch.cuda.empty_cache). On CPU, glibc's
+    malloc: after the first large block is freed it raises its mmap threshold (up to 32 MiB),
+    and from then on the blocks below it come from its heap, whose free pages it keeps
+    resident; malloc_trim(0) returns every free page. Called when the engine goes to sleep:
+    what it freed (weights, packed copies, KV cache) would otherwise stay resident through
+    the update."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return True
+    if device.type != "cpu":
+        return False
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 _local_meshes: dict[tuple, DeviceMesh] = {}
