@@ -1,4 +1,6 @@
 """hflow.run.Run's own bookkeeping, without workers: the bound on skipped optimizer steps."""
+import dataclasses
+
 import pytest
 
 from hflow.config import TrainerConfig
@@ -49,3 +51,19 @@ def test_a_few_samples_are_shown_at_the_first_step_and_every_n(tmp_path, capsys)
     assert "'12+3=' -> '15': 1" in out and "x" * 117 + "...' -> ''" in out   # long prompts clipped on the console
     saved = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in saved] == [1, 1, 2, 2, 4, 4] and saved[1]["prompt"] == "x" * 200
+
+
+def test_the_first_line_counts_the_held_out_prompts_there_are(tmp_path, capsys):
+    """A held-out file of 104 prompts under --trainer.eval-size 500 is 104 prompts, and a run with
+    no held-out split at all says so and evaluates nothing (issue 42: both said 500)."""
+    cfg = TrainerConfig(steps=1, output_dir=str(tmp_path), eval_size=500, logging=LoggingConfig(progress_bars=False))
+    calls = []
+    run = Run(cfg, trained={}, evaluate=lambda: calls.append(1) or {"eval/reward_mean": 0.5}, eval_prompts=104)
+    assert "held-out evaluation on 104 prompts at the start and the end" in capsys.readouterr().out
+    cfg = dataclasses.replace(cfg, output_dir=str(tmp_path / "none"))
+    run = Run(cfg, trained={}, evaluate=lambda: calls.append(1) or {}, eval_prompts=0)
+    assert "no held-out evaluation" in capsys.readouterr().out
+    for step in run.steps():
+        run.end_step(step, {"reward/mean": 0.0})
+    run.finish()
+    assert not calls

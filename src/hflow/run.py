@@ -35,9 +35,13 @@ class RunStopped(UserError):
 class Run:
     def __init__(self, trainer, trained: dict, state: dict | None = None,
                  evaluate: Callable[[], dict] | None = None, export: tuple | None = None, about: str = "",
-                 samples: Callable[[], list[dict]] | None = None):
+                 samples: Callable[[], list[dict]] | None = None, eval_prompts: int | None = None):
         self.cfg, self.trained, self.state = trainer, trained, state or {}
-        self.evaluate, self.export, self.samples = evaluate, export, samples
+        # how many held-out prompts an evaluation covers: the split's size where it is smaller than
+        # --trainer.eval-size, 0 where there is none (then nothing is evaluated)
+        self.eval_prompts = trainer.eval_size if eval_prompts is None else min(eval_prompts, trainer.eval_size)
+        self.evaluate = evaluate if self.eval_prompts > 0 else None
+        self.export, self.samples = export, samples
         self.evaluations: list[dict] = []   # every evaluation's metrics, for the final line
         self.began = time.monotonic()
         self.root = Path(trainer.output_dir) / "checkpoints"
@@ -64,8 +68,8 @@ class Run:
             todo = f"already at step {self.start_step} of {cfg.steps}: nothing to do (raise --trainer.steps to go on)"
         else:
             todo = f"steps {self.start_step + 1}..{cfg.steps}"
-        evaluation = ("no held-out evaluation" if not self.evaluate or not cfg.eval_size else
-                      f"held-out evaluation on {cfg.eval_size} prompts " +
+        evaluation = ("no held-out evaluation" if not self.evaluate else
+                      f"held-out evaluation on {self.eval_prompts} prompts " +
                       (f"every {cfg.eval_every} steps and at the end" if cfg.eval_every else "at the start and the end"))
         saves = f"a checkpoint every {cfg.save_every} steps" if cfg.save_every else "no checkpoints (--trainer.save-every)"
         return (f"hflow: {todo}; {evaluation}; {saves}; output in {cfg.output_dir}" + (f"; {about}" if about else ""))
