@@ -36,6 +36,7 @@ from hflow import algos
 from hflow.asynchronous import ROLE as ROLLOUT_ROLE, AsyncRollouts, rollout_sets
 from hflow.batch import Batch
 from hflow.data import ContextRoom, PromptDataset, PromptSampler, load_prompts
+from hflow.data.tasks import task_reward_fn
 from hflow.engine import SUPPORTED_MODEL_TYPES
 from hflow.evaluation import evaluate
 from hflow.placement import Placement, job_of, resolve
@@ -147,6 +148,8 @@ def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm
         print("hflow: warning: --data.chat wraps every prompt in the chat template, which the embedded default "
               "model has never seen (it was warmed up on bare '27+82=' prompts): expect rewards near 0; drop "
               "--data.chat, or give a chat model with --model.path", flush=True)
+    if not cfg.reward.fn and not cfg.reward.model and not cfg.data.train_files:
+        cfg.reward.fn = task_reward_fn(cfg.data.task)   # an empty --reward.fn is the built-in task's own checker
     tokenizer = AutoTokenizer.from_pretrained(base)
     resolve_compute_dtypes(cfg, base, cluster.device_type)   # before anything reads them (old log-probs)
     warn_if_responses_cannot_stop(base)

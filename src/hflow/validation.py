@@ -72,6 +72,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "eval_every": _at_least(0, "steps between evaluations; 0: first and last only"),
     "save_every": _at_least(0, "steps between checkpoints; 0: never"),
     "eval_size": _at_least(0, "held-out prompts per evaluation"),
+    "task_size": _at_least(2, "problems a reasoning-gym task generates"),
     "warmup_steps": _at_least(0, "learning-rate warm-up steps"),
     "total_steps": _at_least(0, "schedule length; 0: the run's steps"),
     "kv_cache_bytes": _at_least(0, "KV-cache budget; 0: automatic"),

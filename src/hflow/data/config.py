@@ -35,8 +35,12 @@ class DataConfig:
     seed: int = 0
     """Seed of the per-epoch shuffle."""
     task: str = "arithmetic"
-    """Built-in generated task, used when --data.train-files is empty: arithmetic (2-digit a+b, a-b), multiply (3-digit x 2-digit a*b, recipes/agent.py's: the default model needs its calculator), or code (write f(x) that passes three asserts; score it with --reward.fn code)."""
+    """Built-in generated task, used when --data.train-files is empty: arithmetic (2-digit a+b, a-b), multiply (3-digit x 2-digit a*b, recipes/agent.py's: the default model needs its calculator), code (write f(x) that passes three asserts; score it with --reward.fn code), or rg:NAME, any reasoning-gym dataset (pip install reasoning-gym; e.g. rg:chain_sum), a chat prompt scored by --reward.fn reasoning_gym."""
+    task_args: list[str] = field(default_factory=list)
+    """rg: tasks only: KEY=VALUE arguments of the dataset's config (e.g. min_terms=2 max_digits=2); a VALUE is read as JSON when it parses (2, 0.5, true, [1, 2]), else as a string."""
     task_seed: int = 0
     """Seed that generates the built-in task's problems and its train / held-out split."""
+    task_size: int = 10000
+    """rg: tasks only: problems generated in all; repeats are dropped, the held-out split (--data.task-eval-size) is cut off first, and the training split is what remains."""
     task_eval_size: int = 500
     """Held-out prompts of the built-in task, never trained on."""

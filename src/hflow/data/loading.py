@@ -232,7 +232,7 @@ def load_prompts(cfg: DataConfig, tokenizer, split: str = "train",
     elif split == "val" and cfg.train_files:
         return None  # file datasets have no held-out split unless one is given
     else:
-        train, held_out = task_splits(cfg.task, cfg.task_seed, cfg.task_eval_size)
+        train, held_out = task_splits(cfg.task, cfg.task_seed, cfg.task_eval_size, cfg.task_size, cfg.task_args)
         rows = train if split == "train" else held_out
         source = f"task {cfg.task!r} ({split})"
     if not rows:

@@ -3,13 +3,19 @@
 A task enumerates every distinct problem it can pose, shuffles them with a seed and cuts the
 held-out split off the front; the rest is the training split. The splits are therefore disjoint
 (no prompt appears in both) and the same for the same seed on every machine.
+
+``rg:<name>`` is any of reasoning-gym's datasets instead (hflow.data.reasoning_gym): drawn rather
+than enumerated, deduplicated, and split the same way.
 """
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
 from hflow.data.code_task import CodeTask
 from hflow.data.config import DataError, flag
+from hflow.data.reasoning_gym import PREFIX as REASONING_GYM_PREFIX
+from hflow.data.reasoning_gym import ReasoningGymTask
 
 
 @dataclass(frozen=True)
@@ -47,11 +53,32 @@ class MultiplyTask:
 TASKS = {"arithmetic": ArithmeticTask(), "multiply": MultiplyTask(), "code": CodeTask()}
 
 
-def task_splits(name: str, seed: int = 0, eval_size: int = 500) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows) of a built-in task; rows are ``{"prompt", "answer"}``."""
+def get_task(name: str, args: Sequence[str] = ()):
+    """The built-in task ``--data.task`` names (``args``: ``--data.task-args``, rg: tasks only)."""
+    if name.startswith(REASONING_GYM_PREFIX):
+        return ReasoningGymTask(name[len(REASONING_GYM_PREFIX):], tuple(args))
     if name not in TASKS:
-        raise DataError(f"{flag('task')}: unknown task {name!r} (built in: {', '.join(sorted(TASKS))})")
-    problems = TASKS[name].problems()
+        raise DataError(f"{flag('task')}: unknown task {name!r} (built in: {', '.join(sorted(TASKS))}; "
+                        f"or {REASONING_GYM_PREFIX}NAME, a reasoning-gym dataset)")
+    if args:
+        raise DataError(f"{flag('task_args')} is for {REASONING_GYM_PREFIX} tasks; task {name!r} takes none")
+    return TASKS[name]
+
+
+def task_reward_fn(name: str) -> str:
+    """The reward a built-in task is scored by: what an empty --reward.fn should mean when the
+    prompts come from ``--data.task name``."""
+    return get_task(name).reward_fn
+
+
+def task_splits(name: str, seed: int = 0, eval_size: int = 500, size: int = 10_000,
+                args: Sequence[str] = ()) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) of a built-in task; rows are ``{"prompt", "answer"}`` (and
+    ``extra``). ``size`` and ``args`` apply to rg: tasks only (the others enumerate every problem)."""
+    task = get_task(name, args)
+    if isinstance(task, ReasoningGymTask):
+        return task.splits(seed, size, eval_size)
+    problems = task.problems()
     if not 0 < eval_size < len(problems):
         raise DataError(f"{flag('task_eval_size')} must be in 1..{len(problems) - 1} for task "
                         f"{name!r} ({len(problems)} problems), got {eval_size}")

@@ -13,6 +13,7 @@ _REGISTRY: dict[str, Union[str, ScoreFn]] = {
     "math": "hflow.rewards.math_answer:math_score",
     "countdown": "hflow.rewards.countdown:countdown_score",
     "code": "hflow.rewards.code:code_score",
+    "reasoning_gym": "hflow.rewards.reasoning_gym:reasoning_gym_score",   # needs reasoning-gym
 }
 
 

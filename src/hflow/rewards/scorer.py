@@ -17,7 +17,7 @@ class RewardConfig:
     or both, score = rule + w * rm. Held-out evaluation always uses the rule."""
 
     fn: str = ""
-    """Rule score function: arithmetic, gsm8k, gsm8k_flexible, math, countdown, or 'package.module:function'; empty: arithmetic (the built-in task's checker), and with --reward.model no rule in the training score (evaluation still uses it)."""
+    """Rule score function: arithmetic, gsm8k, gsm8k_flexible, math, countdown, code, reasoning_gym, or 'package.module:function'; empty: the built-in --data.task's own checker (arithmetic, code, or reasoning_gym for an rg: task; arithmetic with --data.train-files), and with --reward.model no rule in the training score (evaluation still uses it)."""
     model: str = ""
     """Reward model in the loop: a Hugging Face sequence-classifier directory sharing the policy's tokenizer (e.g. from recipes/reward_model.py), or 'default': the embedded default's, trained on arithmetic pairs once and cached; empty: none."""
     model_weight: float = 1.0
