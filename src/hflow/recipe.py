@@ -40,6 +40,7 @@ from hflow.data.tasks import task_reward_fn
 from hflow.engine import SUPPORTED_MODEL_TYPES
 from hflow.evaluation import evaluate
 from hflow.placement import Placement, job_of, resolve
+from hflow.pretrained import resolve_model
 from hflow.run import Run
 from hflow.scoring import check_same_tokenizer
 from hflow.validation import ConfigError
@@ -183,11 +184,12 @@ def resolve_compute_dtypes(cfg, base: Path, device_type: str) -> None:
 
 
 def base_policy(model, default=None) -> Path:
-    """--model.path, or the embedded default's untrained model (`default.base_model`), checked:
-    a Hugging Face directory of a model the engine and the workers support."""
+    """--model.path (a directory, a .gguf file, a Hub id or a fetched name: hflow.pretrained,
+    resolved to a Hugging Face directory), or the embedded default's untrained model
+    (`default.base_model`), checked: a model the engine and the workers support."""
     if not model.path and default is None:
         raise ConfigError("--model.path is required: this recipe has no embedded default model")
-    path = Path(model.path) if model.path else default.base_model(model)
+    path = resolve_model(model.path, "--model.path") if model.path else default.base_model(model)
     check_policy_dir(path)
     return path
 

@@ -3,23 +3,20 @@
 Every model here (the base model, its warm-up, the judges, the safety task's refusing policy)
 is deterministic given its settings, so it is built once per machine and kept in the cache
 (`$HFLOW_CACHE`, else `~/.cache/hflow`) under a name that carries the settings and a version.
+The cache and its build-then-rename are hflow.pretrained's, which keeps converted and fetched
+models there too.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
+
+from hflow.pretrained import cache
 
 
 def cache_root(cache_dir=None) -> Path:
     """`cache_dir`, else `$HFLOW_CACHE`, else `~/.cache/hflow`."""
-    return Path(cache_dir or os.environ.get("HFLOW_CACHE") or Path.home() / ".cache" / "hflow")
-
-
-def is_built(path: Path) -> bool:
-    return (Path(path) / "config.json").exists()
+    return Path(cache_dir) if cache_dir else cache.cache_root()
 
 
 def build_once(final: Path, build: Callable[[Path], None]) -> Path:
@@ -27,20 +24,4 @@ def build_once(final: Path, build: Callable[[Path], None]) -> Path:
     the first time it is asked for. A reader never sees half a model: the directory is complete
     or absent. When several runs build it at once the first rename wins and the others' copies
     are dropped; a build that raises leaves nothing behind."""
-    final = Path(final)
-    if is_built(final):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp", dir=final.parent))
-    try:
-        build(tmp)
-        if final.exists() and not is_built(final):   # a leftover that is not a model
-            shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not is_built(final):   # not a lost race: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cache.build_dir_once(final, build)[0]

@@ -28,6 +28,7 @@ from hflow.engine.models import build_model
 from hflow.engine.models.layers import TPInfo
 from hflow.engine.scheduler import Scheduler
 from hflow.engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, Status, sample_rng
+from hflow.pretrained import resolve_model
 
 
 class LLM:
@@ -92,7 +93,9 @@ class LLM:
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device=None, **engine_opts) -> "LLM":
-        """Load a Hugging Face directory: config.json and *.safetensors (sharded or not)."""
+        """Load a Hugging Face directory: config.json and *.safetensors (sharded or not). `path`
+        may also be a .gguf file, a Hub id or a fetched name (hflow.pretrained.resolve_model)."""
+        path = str(resolve_model(path))
         hf_config = AutoConfig.from_pretrained(path)
         eos = None
         if os.path.exists(os.path.join(path, "generation_config.json")):
