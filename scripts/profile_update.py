@@ -15,6 +15,9 @@ this script's measured matmul peak on the update's shapes, in the compute dtype)
     python scripts/profile_update.py                 # CPU per update and its phases
     python scripts/profile_update.py --profile       # + one update under torch.profiler
     python scripts/profile_update.py --model qwen3-0.6b --threads 2 --sequences 32 --profile
+    python scripts/profile_update.py --model-path DIR --sequences 64 --n 8 --max-response 48
+                                                     # a real model: one rank's share of 16 x 8
+    ... --max-tokens-per-micro-batch 1024 --activation-checkpointing   # what memory costs
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rl import SIZES, make_model   # noqa: E402  (a sibling script)
@@ -45,13 +49,13 @@ KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm"), "attention (SDPA)":
          "optimizer": ("aten::_fused_adamw_", "Optimizer.step")}
 
 
-def batch(sequences: int, seed: int = 0, vocab: int = 4096) -> dict[str, torch.Tensor]:
+def batch(sequences: int, seed: int = 0, vocab: int = 4096, n: int = 4, max_response: int = 96) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
     for i in range(sequences):
-        if i % 4 == 0:
+        if i % n == 0:
             prompt = torch.randint(258, vocab, (int(torch.randint(8, 65, (), generator=g)),), generator=g).tolist()
-        length = int(min(96, 1 + torch.empty(()).exponential_(0.015, generator=g)))
+        length = int(min(max_response, 1 + torch.empty(()).exponential_(0.015, generator=g)))
         prompts.append(prompt)
         responses.append(torch.randint(258, vocab, (length,), generator=g).tolist())
     t = sequence_tensors(prompts, responses, pad_id=0)
@@ -82,6 +86,12 @@ def main():
     ap.add_argument("--updates", type=int, default=4)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--model", default="25m", choices=["25m", "qwen3-0.6b"])
+    ap.add_argument("--model-path", default="", help="a Hugging Face directory (a real model) instead of --model")
+    ap.add_argument("--n", type=int, default=4, help="samples sharing each prompt")
+    ap.add_argument("--max-response", type=int, default=96)
+    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--dtype", default="auto", help="the compute dtype (auto: as hflow picks for the model)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,18 +99,25 @@ def main():
     os.environ.setdefault("MASTER_PORT", "29631")
     dist.init_process_group("gloo", rank=0, world_size=1)
     mesh = dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    size = SIZES[args.model]
-    dtype = auto_param_dtype(torch.device("cpu"), size["hidden"])
-    with tempfile.TemporaryDirectory() as model_dir:
+    if args.model_path:
+        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+        c = model.config
+        size = {"hidden": c.hidden_size, "inter": c.intermediate_size, "vocab": c.vocab_size}
+        args.model = Path(args.model_path).name
+    else:
+        size = SIZES[args.model]
         model = make_model(size, 0.015)
+    dtype = auto_param_dtype(torch.device("cpu"), size["hidden"]) if args.dtype == "auto" else getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory() as model_dir:
         model.save_pretrained(model_dir)
-        actor = Actor(mesh, ActorConfig(model_path=model_dir, max_tokens_per_micro_batch=8192,
+        actor = Actor(mesh, ActorConfig(model_path=model_dir, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                                         optim=OptimConfig(lr=1e-6),
-                                        fsdp=FSDPConfig(param_dtype=str(dtype).removeprefix("torch."))))
+                                        fsdp=FSDPConfig(param_dtype=str(dtype).removeprefix("torch."),
+                                                        activation_checkpointing=args.activation_checkpointing)))
     layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
     head_params = model.lm_head.weight.numel()
     del model
-    t = batch(args.sequences, vocab=size.get("vocab", 4096))
+    t = batch(args.sequences, vocab=size.get("vocab", 4096), n=args.n, max_response=args.max_response)
     # each prompt's tokens once: its 4 samples share them in the packed passes
     tokens, predicted = int(packed_tokens(t).sum()), int(t["response_mask"].sum())
     floor_flop = 3 * 2 * (tokens * layer_params + predicted * head_params)
