@@ -43,34 +43,37 @@ def questions(rows):
 
 # ---------------------------------------------------------------- splits
 
-def test_rg_splits_are_distinct_disjoint_and_fixed_by_the_seed():
+def test_rg_splits_are_disjoint_and_fixed_by_the_seed():
     train, held_out = task_splits("rg:chain_sum", seed=0, eval_size=500, size=3000, args=SMALL_SUMS)
     drawn = rg.create_dataset("chain_sum", seed=0, size=3000, **SMALL_SUMS_KWARGS)
-    distinct = list(dict.fromkeys(drawn[i]["question"] for i in range(3000)))
+    questions_drawn = [drawn[i]["question"] for i in range(3000)]
+    distinct = list(dict.fromkeys(questions_drawn))
     assert len(distinct) < 2000   # the generator does repeat itself at this size
-    assert len(held_out) == 500 and len(train) == len(distinct) - 500
+    assert questions(held_out) == distinct[:500]   # the first distinct problems drawn
     assert not set(questions(train)) & set(questions(held_out))
-    assert len(set(questions(train))) == len(train)
-    assert set(questions(held_out)) | set(questions(train)) == set(distinct)
+    # training: every other draw, in draw order, repeats kept
+    assert questions(train) == [q for q in questions_drawn if q not in set(distinct[:500])]
+    assert len(set(questions(train))) == len(distinct) - 500 < len(train)
     again = task_splits("rg:chain_sum", seed=0, eval_size=500, size=3000, args=SMALL_SUMS)
     assert again == (train, held_out)
     other = task_splits("rg:chain_sum", seed=1, eval_size=500, size=3000, args=SMALL_SUMS)[1]
     assert questions(other) != questions(held_out)
 
 
-def test_rg_held_out_split_is_drawn_like_the_training_split():
-    """A small space repeats its easiest problems most: cut in draw order, the held-out split had
-    more 1-digit sums than training (SmolLM2 greedy: 0.25 on its first 128, 0.12 on training's); cut after
-    a seeded shuffle of the distinct problems, both hold them in about the same share (0.09 and 0.13
-    here; in draw order 0.33 and 0.03)."""
-    train, held_out = task_splits("rg:chain_sum", seed=0, eval_size=500, size=3000, args=SMALL_SUMS)
+def test_rg_splits_follow_the_tasks_own_distribution():
+    """chain_sum's 2-term 1-2-digit sums are half 1-digit as drawn, but only 200 of ~1,650 distinct
+    problems. The held-out split (the first distinct problems drawn) and training (every draw of
+    another problem, repeats kept) both keep a large share of them (43 % and 31 % here), where
+    training from the distinct problems after the held-out cut had 3 % (SmolLM2's greedy accuracy
+    0.12 there against 0.25 held out), and a uniform cut over the distinct problems 12 % in both."""
+    train, held_out = task_splits("rg:chain_sum", seed=0, eval_size=256, size=3000, args=SMALL_SUMS)
 
     def one_digit_share(rows):
         operands = [re.findall(r"\d+", r["extra"]["question"].split(":")[1]) for r in rows]
         return sum(all(len(x) == 1 for x in terms) for terms in operands) / len(rows)
 
-    assert abs(one_digit_share(held_out) - one_digit_share(train)) < 0.1, (one_digit_share(held_out),
-                                                                            one_digit_share(train))
+    assert 0.3 < one_digit_share(held_out) < 0.55 and 0.25 < one_digit_share(train) < 0.55, \
+        (one_digit_share(held_out), one_digit_share(train))
 
 
 def test_rg_rows_are_chat_prompts_with_what_the_scorer_needs():

@@ -22,8 +22,6 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-import numpy as np
-
 from hflow.data.config import DataError, flag
 from hflow.rewards.reasoning_gym import encode_metadata, import_reasoning_gym
 
@@ -62,26 +60,30 @@ class ReasoningGymTask:
     reward_fn: str = REWARD_FN
 
     def splits(self, seed: int, size: int, eval_size: int) -> tuple[list[dict], list[dict]]:
-        """(train rows, held-out rows): ``size`` draws, repeats dropped, shuffled by ``seed``, the
-        held-out split cut off first: both splits are uniform over the distinct problems."""
+        """(train rows, held-out rows) of ``size`` draws: the held-out split is the first
+        ``eval_size`` distinct problems drawn; training is every draw of any other problem, in draw
+        order, repeats kept. Both then follow the task's own distribution, less what the other
+        holds, and share no problem. (Uniform over the distinct problems instead, a space that
+        repeats its easy problems would become another task: chain_sum's 2-term 1-2-digit sums
+        are half 1-digit as drawn, 12 % of the distinct problems; and cut from the distinct
+        problems in draw order, the held-out split kept the easy ones and training the rest.)"""
         name, args = f"{PREFIX}{self.dataset}", parse_task_args(self.args)
         config = json.dumps({"dataset": self.dataset, "args": args}, sort_keys=True)
-        entries = _distinct_entries(self.dataset, seed, size, config)
-        if not 0 < eval_size < len(entries):
-            raise DataError(f"{flag('task_eval_size')} must be in 1..{len(entries) - 1} for task {name!r}: "
-                            f"{flag('task_size')} {size} drew {len(entries)} distinct problems "
+        drawn = _drawn_entries(self.dataset, seed, size, config)
+        first_draws: dict[str, dict] = {}
+        for entry in drawn:
+            first_draws.setdefault(entry["question"], entry)
+        held_out, distinct = list(first_draws.values())[:eval_size], len(first_draws)
+        if not 0 < eval_size < distinct:
+            raise DataError(f"{flag('task_eval_size')} must be in 1..{distinct - 1} for task {name!r}: "
+                            f"{flag('task_size')} {size} drew {distinct} distinct problems "
                             f"(draw more, or make the task harder with {flag('task_args')})")
-        # the distinct problems in a seeded random order, then the cut: drawn order would put the
-        # problems a small space repeats most (chain_sum's 1-digit sums) in the held-out split and
-        # leave training the harder rest (greedy accuracy of SmolLM2: 0.25 on the first 256, 0.12
-        # on the next 128)
-        order = np.random.default_rng(seed).permutation(len(entries))
-        entries = [entries[i] for i in order]
-        held_out, train = entries[:eval_size], entries[eval_size:]
-        logger.info("task %s: %d draws, %d distinct: %d held out, %d to train", name, size, len(entries),
-                    len(held_out), len(train))
-        return ([_row(e, config, f"problem {i + 1} of task {name!r}") for i, e in enumerate(train, eval_size)],
-                [_row(e, config, f"problem {i + 1} of task {name!r}") for i, e in enumerate(held_out)])
+        held_out_questions = {e["question"] for e in held_out}
+        train = [(i, e) for i, e in enumerate(drawn) if e["question"] not in held_out_questions]
+        logger.info("task %s: %d draws, %d distinct: %d held out, %d draws of the other %d to train", name, size,
+                    distinct, len(held_out), len(train), distinct - len(held_out))
+        return ([_row(e, config, f"draw {i + 1} of task {name!r}") for i, e in train],
+                [_row(e, config, f"held-out problem {i + 1} of task {name!r}") for i, e in enumerate(held_out)])
 
 
 def _row(entry: dict, task_config: str, source: str) -> dict:
@@ -92,18 +94,12 @@ def _row(entry: dict, task_config: str, source: str) -> dict:
 
 
 @functools.lru_cache(maxsize=4)   # load_prompts asks for "train", then "val": generate once
-def _distinct_entries(dataset: str, seed: int, size: int, task_config: str) -> tuple:
-    """The generated entries in draw order, the first of each question kept."""
+def _drawn_entries(dataset: str, seed: int, size: int, task_config: str) -> tuple:
+    """The generated entries in draw order."""
     if size < 2:
         raise DataError(f"{flag('task_size')} must be at least 2, got {size}")
     generator = _create(dataset, seed, size, json.loads(task_config)["args"])
-    seen, distinct = set(), []
-    for i in range(size):
-        entry = generator[i]
-        if entry["question"] not in seen:
-            seen.add(entry["question"])
-            distinct.append(entry)
-    return tuple(distinct)
+    return tuple(generator[i] for i in range(size))
 
 
 def _create(dataset: str, seed: int, size: int, args: dict):
