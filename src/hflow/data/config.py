@@ -41,6 +41,6 @@ class DataConfig:
     task_seed: int = 0
     """Seed that generates the built-in task's problems and its train / held-out split."""
     task_size: int = 10000
-    """rg: tasks only: problems generated in all; repeats are dropped, the held-out split (--data.task-eval-size) is cut off first, and the training split is what remains."""
+    """rg: tasks only: problems drawn in all; the held-out split is the first --data.task-eval-size distinct ones, training every draw of another problem (repeats kept: both follow the task's own distribution)."""
     task_eval_size: int = 500
     """Held-out prompts of the built-in task, never trained on."""
