@@ -275,7 +275,8 @@ def prepare(name: str, args, root: Path) -> dict:
         spec.update(note=f"random prompts of {lengths[0]}-{lengths[1]} tokens", reward="bench_rl_reward:score",
                     trl_reward="bench_rl_reward:trl_score", lr=1e-6, hflow_flags=[
                         "--data.train-files", str(work / "prompts.jsonl"), "--data.answer-key", "",
-                        "--actor.optim.lr", "1e-6", *actor_bf16],
+                        "--actor.optim.lr", "1e-6", "--rollout.temperature", "1.0",
+                        "--actor.max-tokens-per-micro-batch", "8192", *actor_bf16],   # not grpo's real-model defaults
                     ppo_flags=["--algo.kl-coef", "0", "--algo.critic-warmup", "0", *critic_bf16], ppo_ref=False)
     spec.update(bf16=args.bf16, trl_micro=args.trl_micro_batch)
     with open(work / "prompts.jsonl", "w") as f:

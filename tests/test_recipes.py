@@ -251,9 +251,13 @@ def test_grpo_defaults_depend_on_the_model():
     spec.loader.exec_module(grpo)
     embedded = resolve_defaults(tyro.cli(grpo.Config, args=[]))
     given = resolve_defaults(tyro.cli(grpo.Config, args=["--model.path", "some/model"]))
-    assert (embedded.actor.optim.lr, embedded.rollout.max_tokens) == (1e-4, 5)
-    assert (given.actor.optim.lr, given.rollout.max_tokens) == (1e-6, 512)
+    assert (embedded.actor.optim.lr, embedded.rollout.max_tokens, embedded.rollout.temperature,
+            embedded.actor.max_tokens_per_micro_batch) == (1e-4, 5, 1.0, 8192)
+    # a real model's: what learned on SmolLM2-135M-Instruct (docs/real-model.md)
+    assert (given.actor.optim.lr, given.rollout.max_tokens, given.rollout.temperature,
+            given.actor.max_tokens_per_micro_batch) == (1e-5, 512, 0.7, 1024)
     assert type(given.actor.optim.lr) is float and type(given.rollout.max_tokens) is int
+    assert type(given.rollout.temperature) is float and type(given.actor.max_tokens_per_micro_batch) is int
     flagged = resolve_defaults(tyro.cli(grpo.Config, args=["--model.path", "m", "--actor.optim.lr", "3e-5"]))
     assert flagged.actor.optim.lr == 3e-5 and flagged.rollout.max_tokens == 512
 
