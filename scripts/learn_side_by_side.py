@@ -36,7 +36,7 @@ Hyperparameters (this script's flag: hflow flag = TRL GRPOConfig argument):
     --n 8             --rollout.n                        = num_generations
     --max-tokens 48   --rollout.max-tokens               = max_completion_length
     --temperature 0.7 --rollout.temperature              = temperature (top_p 1, top_k 0 both)
-    --lr 5e-6         --actor.optim.lr (constant, no     = learning_rate, lr_scheduler_type constant,
+    --lr 1e-5         --actor.optim.lr (constant, no     = learning_rate, lr_scheduler_type constant,
                       warm-up: the defaults)               warmup_steps 0
     --beta 0          --algo.kl-coef                     = beta (0: no reference model on either)
     (fixed)           --algo.estimator grpo              = scale_rewards "group"
@@ -267,14 +267,14 @@ def main(argv=None) -> None:
     p.add_argument("--task-seed", type=int, default=0, help="generates the problems and the split (all seeds)")
     p.add_argument("--task-size", type=int, default=3000)
     p.add_argument("--eval-size", type=int, default=256, help="held-out problems (the split and each evaluation)")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=16, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--lr", type=float, default=5e-6)
+    p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--beta", type=float, default=0.0)
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sides", default="hflow,trl")
     p.add_argument("--samples", type=int, default=4, help="held-out responses shown before/after")
