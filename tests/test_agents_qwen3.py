@@ -2,27 +2,8 @@
 
 The oracle is the template itself: a trajectory's ids must be what the template renders for the
 same conversation, and each observation what it puts after an assistant turn's <|im_end|>."""
-import gzip
-import shutil
-from pathlib import Path
-
-import pytest
-
 from hflow.agents import AgentLimits, AgentSession, ChatRenderer, Environment, StepResult, ToolEnvironment
 from hflow.agents.driver import run_episode
-
-FIXTURE = Path(__file__).parent / "fixtures" / "qwen3"
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("qwen3")
-    with gzip.open(FIXTURE / "tokenizer.json.gz", "rb") as packed, open(folder / "tokenizer.json", "wb") as out:
-        shutil.copyfileobj(packed, out)
-    shutil.copy(FIXTURE / "tokenizer_config.json", folder)
-    return AutoTokenizer.from_pretrained(folder)
 
 
 class ScriptedModel:

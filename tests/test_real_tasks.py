@@ -1,10 +1,8 @@
 """Real tasks as data: reasoning-gym datasets by name (``--data.task rg:NAME``) scored by their own
 scorers (``--reward.fn reasoning_gym``), and GSM8K from the local copy. The oracles are
 reasoning-gym itself (its generator, its ``score_answer``) and the files' own rows."""
-import gzip
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -19,22 +17,10 @@ from hflow.validation import UserError
 
 rg = pytest.importorskip("reasoning_gym", reason="the rg: tasks need reasoning-gym (pip install 'hflow[tasks]')")
 
-QWEN3 = Path(__file__).parent / "fixtures" / "qwen3"
 GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 # chain_sum at its smallest: about 1,650 distinct problems in 3,000 draws, so repeats are many
 SMALL_SUMS = ["min_terms=2", "max_terms=2", "min_digits=1", "max_digits=2"]
 SMALL_SUMS_KWARGS = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2)
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """Qwen3's real tokenizer and chat template (tests/fixtures/qwen3)."""
-    from transformers import AutoTokenizer
-    folder = tmp_path_factory.mktemp("qwen3")
-    with gzip.open(QWEN3 / "tokenizer.json.gz", "rb") as packed, open(folder / "tokenizer.json", "wb") as out:
-        shutil.copyfileobj(packed, out)
-    shutil.copy(QWEN3 / "tokenizer_config.json", folder)
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def questions(rows):
