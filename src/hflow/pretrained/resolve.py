@@ -50,7 +50,7 @@ def resolve_model(path_or_id: str | os.PathLike, flag: str = "") -> Path:
         if gguf is None:
             raise ModelNotFound(f"{where}: {given} is not fetched yet: run `{fetch_command(given)}` once (it needs "
                                 f"PyPI), then pass --model.path {given} again")
-        return dense_from_gguf(gguf)
+        return dense_from_gguf(gguf, entry(given).sha256)
     if path.suffix.lower() == ".gguf":
         raise ModelNotFound(f"{where}: no such .gguf file")
     if HUB_ID.match(given):
@@ -59,11 +59,12 @@ def resolve_model(path_or_id: str | os.PathLike, flag: str = "") -> Path:
                         f"{WHAT} (python -m hflow.pretrained list)")
 
 
-def dense_from_gguf(gguf_file: Path) -> Path:
+def dense_from_gguf(gguf_file: Path, digest: str | None = None) -> Path:
     """The dense fp32 directory of a .gguf, converted the first time (keyed by the file's
-    sha256, so a changed file is converted again and a copy elsewhere is not)."""
+    sha256, so a changed file is converted again and a copy elsewhere is not). `digest`: the
+    sha256 already known (a packaged model's, checked when it was stored), not read again."""
     require_gguf_package()
-    digest = sha256_of(gguf_file)
+    digest = digest or sha256_of(gguf_file)
     final = cache_root() / "gguf" / digest
     if is_complete(final):
         print(f"hflow: using the dense checkpoint of {gguf_file.name} cached in {final}", flush=True)
@@ -81,7 +82,7 @@ def fetch(name: str) -> Path:
     the directory to pass as --model.path; for one the engine does not run yet, the stored .gguf."""
     model = entry(name)
     gguf = download(name)
-    return dense_from_gguf(gguf) if model.runs else gguf
+    return dense_from_gguf(gguf, model.sha256) if model.runs else gguf
 
 
 def hub_offline() -> bool:
