@@ -26,6 +26,8 @@ class DataConfig:
     """Column holding the ground truth given to the reward function ('a.b' reads a nested field; '' = none)."""
     chat: bool = False
     """Render string prompts too as one user message through the tokenizer's chat template."""
+    system_prompt: str = ""
+    """A system message put first in every chat prompt that has none of its own (it replaces the template's default one, e.g. to describe a tool); needs chat prompts (--data.chat or message lists). Empty: the template's own."""
     max_prompt_length: int = 512
     """Prompts longer than this many tokens are dropped (and counted in a message)."""
     batch_size: int = 32

@@ -167,9 +167,13 @@ def _rows_of(path: str, prompt_key: str, answer_key: str, files_flag: str) -> li
 
 # ---------------------------------------------------------------- rendering and tokenising
 
-def render_prompt(prompt, tokenizer, chat: bool, where: str) -> tuple[str, bool]:
-    """(text, is_chat): a chat message list or (with ``chat``) a string through the template."""
+def render_prompt(prompt, tokenizer, chat: bool, where: str, system_prompt: str = "") -> tuple[str, bool]:
+    """(text, is_chat): a chat message list or (with ``chat``) a string through the template,
+    ``system_prompt`` (when given) first unless the messages begin with a system message."""
     if isinstance(prompt, str) and not chat:
+        if system_prompt:
+            raise DataError(f"{flag('system_prompt')}: {where} is a plain-text prompt, which has no system "
+                            f"message; add {flag('chat')} to render prompts through the chat template")
         return prompt, False
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
@@ -180,17 +184,21 @@ def render_prompt(prompt, tokenizer, chat: bool, where: str) -> tuple[str, bool]
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(f"{flag('prompt_key')}: prompts are chat messages but the tokenizer has no chat "
                         "template: use a chat model's tokenizer, or string prompts without --data.chat")
+    if system_prompt and prompt[0]["role"] != "system":
+        prompt = [{"role": "system", "content": system_prompt}, *prompt]
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), True
 
 
 def build_prompts(rows: list[dict], tokenizer, max_prompt_length: int, chat: bool = False,
-                  source: str = "", context_room: Optional[ContextRoom] = None) -> PromptDataset:
+                  source: str = "", context_room: Optional[ContextRoom] = None,
+                  system_prompt: str = "") -> PromptDataset:
     """Render and tokenise rows; drop (and count, with a message) prompts longer than the limit:
     `max_prompt_length`, or the room the model's context leaves beside the response when that
     is less (a longer prompt would stop the run when its batch came up)."""
     if max_prompt_length < 1:
         raise DataError(f"{flag('max_prompt_length')} must be >= 1, got {max_prompt_length}")
-    rendered = [render_prompt(r["prompt"], tokenizer, chat, r.get("source", f"row {i}")) for i, r in enumerate(rows)]
+    rendered = [render_prompt(r["prompt"], tokenizer, chat, r.get("source", f"row {i}"), system_prompt)
+                for i, r in enumerate(rows)]
     ids: list[list[int]] = [None] * len(rows)
     for is_chat in (False, True):  # one batched tokenizer call per kind
         picked = [i for i, (_, c) in enumerate(rendered) if c == is_chat]
@@ -237,4 +245,4 @@ def load_prompts(cfg: DataConfig, tokenizer, split: str = "train",
         source = f"task {cfg.task!r} ({split})"
     if not rows:
         raise DataError(f"{source} holds no prompts")
-    return build_prompts(rows, tokenizer, cfg.max_prompt_length, cfg.chat, source, context_room)
+    return build_prompts(rows, tokenizer, cfg.max_prompt_length, cfg.chat, source, context_room, cfg.system_prompt)

@@ -207,7 +207,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Modul
     groups of `cfg.shard_size` ranks (see resolve_shard_size)."""
     device = device_of(mesh)
     if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed it (the old name warns); 4.x has only the old one
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shard_size = resolve_shard_size(cfg, mesh.size(), device, training_state_bytes(model))
     mesh = fsdp_mesh(mesh, shard_size)
     row_parallel_ids = {id(p) for n, p in model.named_parameters() if n.endswith(ROW_PARALLEL)}
