@@ -38,3 +38,33 @@ def test_units_quiz_runs_its_tool_in_the_chat_template_and_scores_the_answer():
     assert t.finish_reason == "done" and t.reward() == 1.0
     assert t.counts["tool_calls"] == 2 and t.counts["bad_tool_calls"] == 1
     json.dumps(env.tool_schemas())   # what goes to the template's tools=
+
+
+def test_tool_prompts_demonstrate_the_exchange_a_rollout_produces_in_smollm2s_template(smollm2_dir, tmp_path):
+    """examples/tool_prompts.py: the held-out rows are the multiply task's own, and the one
+    demonstration in each prompt is tokenised as the rollout's own call and result would be, so
+    the model is shown exactly the stream it is asked to produce."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from hflow.agents import AgentLimits, ToolEnvironment
+    from hflow.data import task_splits
+
+    tool_prompts = EXAMPLES.with_name("tool_prompts.py")
+    subprocess.run([sys.executable, str(tool_prompts), "--out", str(tmp_path), "--eval-size", "8"], check=True)
+    val = [json.loads(line) for line in open(tmp_path / "val.jsonl")]
+    assert [r["answer"] for r in val] == [r["answer"] for r in task_splits("multiply", 0, 8)[1]]
+    row = val[0]
+    question = row["prompt"][-1]["content"]
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    env = ToolEnvironment(["calculator"], format="tags", reward_fn="gsm8k_flexible")
+    turns = [f"<calc>{question.removesuffix('=')}</calc>", row["answer"]]
+    t = run_episode(AgentSession(env, ChatRenderer(tok), row, AgentLimits()), Script(tok, turns))
+    assert t.finish_reason == "done" and t.reward() == 1.0 and t.counts["tool_calls"] == 1
+    # the rollout's stream is the template's rendering of the same exchange the demonstration shows
+    conversation = row["prompt"] + [{"role": "assistant", "content": turns[0]}, {"role": "tool", "content": row["answer"]},
+                                    {"role": "assistant", "content": turns[1]}]
+    oracle = tok.encode(tok.apply_chat_template(conversation, tokenize=False), add_special_tokens=False)
+    assert t.token_ids() == oracle[:len(t.token_ids())] and len(oracle) - len(t.token_ids()) <= 1   # its last "\n"
