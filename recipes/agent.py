@@ -59,7 +59,7 @@ from hflow.default import EMBEDDED, tool_calling_policy
 from hflow.metrics import Timer
 from hflow.recipe import gather, kl_to_reference, set_up, step_metrics
 from hflow.scoring import Rewards, reward_roles, score
-from hflow.texts import prompt_batch
+from hflow.texts import agent_prompt_batch
 from hflow.validation import ConfigError
 from hflow.workers import Actor, Reference
 from hflow.workers.agent_rollout import BUILTIN_ENVIRONMENTS, agent_rollout_metrics, environment_factory
@@ -207,7 +207,7 @@ def evaluate_with_tools(actor, dataset, tokenizer, rule, cfg: Config, limits: Ag
     totals, seen = {}, 0
     for rows in iter_batches(dataset, batch_size):
         rows = rows[:size - seen]
-        batch = actor.generate_agent(prompt_batch(rows), environment(cfg), greedy, limits)
+        batch = actor.generate_agent(agent_prompt_batch(rows), environment(cfg), greedy, limits)
         scores = torch.zeros(len(batch))
         if cfg.agent.reward != "fn":
             scores += batch["trajectory_reward"]
@@ -249,7 +249,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
             with timer("generate"):
                 # a seed per step: a resumed run draws the trajectories the uninterrupted one drew
                 rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
-                batch = actor.generate_agent(prompt_batch(next(setup.sampler)), env, rollout, limits)
+                batch = actor.generate_agent(agent_prompt_batch(next(setup.sampler)), env, rollout, limits)
             scores, metrics = trajectory_scores(batch, rewards, cfg.agent.reward)
             mask = batch["response_mask"]
             with timer("log_probs"):

@@ -324,3 +324,26 @@ def test_response_texts_and_stop_fraction_count_the_models_tokens_only():
     assert response_texts(batch, Ids()) == ["5 6 9", "3 4"]
     metrics = step_metrics(batch, {"time/step_s": 1.0})
     assert metrics["response/stop_fraction"] == 0.5 and metrics["response_length/mean"] == 2.5
+
+
+def test_a_chat_prompt_is_rendered_once_and_a_text_prompt_as_it_is(eot_model, tokenizer, tmp_path):
+    """--data.chat (with a system prompt) and the calculator's tags format: a trajectory begins
+    with the data layer's own prompt ids, the template applied once with its special tokens (the
+    ids were once decoded for the environment, which dropped the specials, and rendered again);
+    a plain-text prompt's ids are the data layer's too."""
+    import json
+
+    from hflow.data import DataConfig, load_prompts
+    from hflow.texts import agent_prompt_batch
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in (("27*82=", "2214"), ("3*4=", "12"))))
+    for chat, system in ((True, "use <calc>"), (False, "")):
+        data = load_prompts(DataConfig(train_files=[str(path)], chat=chat, system_prompt=system), tokenizer)
+        prompts = [data[i] for i in range(len(data))]
+        assert (prompts[0].messages is not None) == chat
+        batch = sample_agent(engine(eot_model), agent_prompt_batch(prompts), "calculator",
+                             RolloutConfig(n=2, seed=3, progress=False), LIMITS, tokenizer, 0, None)
+        assert "prompt" not in batch.keys()   # the prompt itself is input_ids, not a carried column
+        for k in range(len(batch)):
+            ids = batch["input_ids"][k][batch["attention_mask"][k].bool()].tolist()
+            assert ids[:len(prompts[k // 2].prompt_ids)] == prompts[k // 2].prompt_ids, (chat, k)

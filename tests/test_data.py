@@ -106,13 +106,14 @@ def test_chat_prompts_use_the_template_with_generation_prompt(tmp_path, tokenize
     assert ds[0].prompt == f"<|im_start|>user\n{ROWS[0]['question']}<|im_end|>\n<|im_start|>assistant\n"
 
 
-
 def test_system_prompt_goes_first_unless_the_messages_have_one(tmp_path, tokenizer):
     plain = write_jsonl(tmp_path / "plain.jsonl", ROWS[:1])
     ds = load_prompts(DataConfig(train_files=[plain], prompt_key="question", chat=True,
                                  system_prompt="use <calc>"), tokenizer)
     assert ds[0].prompt == (f"<|im_start|>system\nuse <calc><|im_end|>\n<|im_start|>user\n{ROWS[0]['question']}"
                             "<|im_end|>\n<|im_start|>assistant\n")
+    # the messages the ids encode travel with them (a multi-turn rollout renders them, not the text)
+    assert ds[0].messages == [{"role": "system", "content": "use <calc>"}, {"role": "user", "content": ROWS[0]["question"]}]
     # a row's own system message is the row's: the flag does not replace it
     own = write_jsonl(tmp_path / "own.jsonl", [{"prompt": [{"role": "system", "content": "be brief"},
                                                            {"role": "user", "content": "hi"}], "answer": "1"}])
@@ -121,6 +122,7 @@ def test_system_prompt_goes_first_unless_the_messages_have_one(tmp_path, tokeniz
     # plain text has no system message to hold it: an error that names the flag to add
     with pytest.raises(DataError, match="--data.system-prompt.*--data.chat"):
         load_prompts(DataConfig(train_files=[plain], prompt_key="question", system_prompt="x"), tokenizer)
+    assert load_prompts(DataConfig(train_files=[plain], prompt_key="question"), tokenizer)[0].messages is None
 
 def test_long_prompts_are_dropped_counted_and_reported(tmp_path, tokenizer, caplog):
     lengths = [len(ids_of(tokenizer, r["question"])) for r in ROWS]

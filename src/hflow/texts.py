@@ -1,6 +1,7 @@
 """Between prompt rows, texts and Batches: what every recipe sends to the actor and reads back.
 
     prompts = prompt_batch(next(sampler))          # rows -> the Batch Actor.generate takes
+    prompts = agent_prompt_batch(rows)             # + each prompt as an environment's reset reads it
     texts = response_texts(rollouts, tokenizer)    # the sampled responses as text
     batch = supervised_batch(rows, tokenizer)      # prompt + ground truth as the target completion
 """
@@ -16,6 +17,14 @@ def prompt_batch(prompts: list[Prompt]) -> Batch:
     return Batch({"prompt_ids": [p.prompt_ids for p in prompts],
                   "ground_truth": [p.ground_truth for p in prompts],
                   "extra": [p.extra for p in prompts]})
+
+
+def agent_prompt_batch(prompts: list[Prompt]) -> Batch:
+    """prompt_batch's rows and each prompt as an environment's reset reads it ("prompt"): its
+    chat messages, which the rollout's chat renderer renders once more into the same ids, or its
+    text. Never the ids decoded: that drops the template's special tokens, and a chat renderer
+    would then wrap the template's text in the template again."""
+    return prompt_batch(prompts) | Batch({"prompt": [p.prompt if p.messages is None else p.messages for p in prompts]})
 
 
 def response_texts(batch: Batch, tokenizer) -> list[str]:

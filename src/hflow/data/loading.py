@@ -30,6 +30,7 @@ class Prompt:
     ground_truth: Any
     extra: dict = field(default_factory=dict)  # the row's other columns
     index: int = 0  # position in the PromptDataset
+    messages: Optional[list] = None  # the chat messages the ids encode (system prompt included); None: plain text
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,14 @@ class PromptDataset:
     extras: list[dict]
     source: str = ""
     num_dropped: int = 0
+    messages: Optional[list] = None   # per prompt: its chat messages, or None for plain text (None: all plain)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
     def __getitem__(self, i: int) -> Prompt:
-        return Prompt(self.prompt_ids[i], self.prompts[i], self.ground_truths[i], self.extras[i], i)
+        return Prompt(self.prompt_ids[i], self.prompts[i], self.ground_truths[i], self.extras[i], i,
+                      self.messages[i] if self.messages else None)
 
 
 # ---------------------------------------------------------------- reading files
@@ -167,26 +170,38 @@ def _rows_of(path: str, prompt_key: str, answer_key: str, files_flag: str) -> li
 
 # ---------------------------------------------------------------- rendering and tokenising
 
-def render_prompt(prompt, tokenizer, chat: bool, where: str, system_prompt: str = "") -> tuple[str, bool]:
-    """(text, is_chat): a chat message list or (with ``chat``) a string through the template,
-    ``system_prompt`` (when given) first unless the messages begin with a system message."""
+def prompt_messages(prompt, chat: bool, where: str, system_prompt: str = "") -> Optional[list]:
+    """The chat messages a prompt is rendered from (``system_prompt`` first unless they begin
+    with a system message), or None for a plain-text prompt (a string without ``chat``)."""
     if isinstance(prompt, str) and not chat:
         if system_prompt:
             raise DataError(f"{flag('system_prompt')}: {where} is a plain-text prompt, which has no system "
                             f"message; add {flag('chat')} to render prompts through the chat template")
-        return prompt, False
+        return None
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
                                                           for m in prompt)):
         raise DataError(f"{flag('prompt_key')}: {where} holds {type(prompt).__name__} {str(prompt)[:60]!r}; "
                         "expected a string or a list of {'role', 'content'} messages")
+    if system_prompt and prompt[0]["role"] != "system":
+        prompt = [{"role": "system", "content": system_prompt}, *prompt]
+    return [dict(m) for m in prompt]
+
+
+def render_prompt(prompt, tokenizer, chat: bool, where: str, system_prompt: str = "") -> tuple[str, bool]:
+    """(text, is_chat): a chat message list or (with ``chat``) a string through the template,
+    ``system_prompt`` (when given) first unless the messages begin with a system message."""
+    messages = prompt_messages(prompt, chat, where, system_prompt)
+    return (prompt, False) if messages is None else (render_chat(messages, tokenizer), True)
+
+
+def render_chat(messages: list, tokenizer) -> str:
+    """Messages through the tokenizer's chat template, the assistant's turn opened."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(f"{flag('prompt_key')}: prompts are chat messages but the tokenizer has no chat "
                         "template: use a chat model's tokenizer, or string prompts without --data.chat")
-    if system_prompt and prompt[0]["role"] != "system":
-        prompt = [{"role": "system", "content": system_prompt}, *prompt]
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), True
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def build_prompts(rows: list[dict], tokenizer, max_prompt_length: int, chat: bool = False,
@@ -197,8 +212,10 @@ def build_prompts(rows: list[dict], tokenizer, max_prompt_length: int, chat: boo
     is less (a longer prompt would stop the run when its batch came up)."""
     if max_prompt_length < 1:
         raise DataError(f"{flag('max_prompt_length')} must be >= 1, got {max_prompt_length}")
-    rendered = [render_prompt(r["prompt"], tokenizer, chat, r.get("source", f"row {i}"), system_prompt)
+    # the messages are kept beside the ids for whoever renders the conversation further (a multi-turn rollout)
+    messages = [prompt_messages(r["prompt"], chat, r.get("source", f"row {i}"), system_prompt)
                 for i, r in enumerate(rows)]
+    rendered = [(r["prompt"], False) if m is None else (render_chat(m, tokenizer), True) for r, m in zip(rows, messages)]
     ids: list[list[int]] = [None] * len(rows)
     for is_chat in (False, True):  # one batched tokenizer call per kind
         picked = [i for i, (_, c) in enumerate(rendered) if c == is_chat]
@@ -219,7 +236,8 @@ def build_prompts(rows: list[dict], tokenizer, max_prompt_length: int, chat: boo
                        dropped, len(rows), limit, why, max(map(len, ids)))
     return PromptDataset([ids[i] for i in keep], [rendered[i][0] for i in keep],
                          [rows[i]["answer"] for i in keep], [rows[i].get("extra", {}) for i in keep],
-                         source=source, num_dropped=dropped)
+                         source=source, num_dropped=dropped,
+                         messages=[messages[i] for i in keep] if any(m is not None for m in messages) else None)
 
 
 def load_prompts(cfg: DataConfig, tokenizer, split: str = "train",

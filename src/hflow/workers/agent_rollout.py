@@ -43,7 +43,7 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
 }
 
 # columns a prompts Batch carries that are the prompt itself, not a row's data
-_PROMPT_COLUMNS = ("prompt_ids", "input_ids", "attention_mask")
+_PROMPT_COLUMNS = ("prompt", "prompt_ids", "input_ids", "attention_mask")
 
 
 def environment_factory(spec: EnvSpec) -> Callable[[], Environment]:
@@ -56,13 +56,15 @@ def environment_factory(spec: EnvSpec) -> Callable[[], Environment]:
                     f"class, not {type(spec).__name__}")
 
 
-def pick_renderer(tokenizer, env: Environment):
-    """The chat template when the tokenizer has one; plain text otherwise, and for the tags
-    format, whose results TextRenderer wraps itself (a small model's template may not know a
-    tool role)."""
+def pick_renderer(tokenizer, env: Environment, prompt=None):
+    """The chat template for a prompt given as chat messages (rendered here, once) and, when the
+    tokenizer has one, for the formats whose results are the template's own tool messages
+    (hermes); plain text otherwise, and for the tags format on a text prompt, whose results
+    TextRenderer wraps itself (a small model's template may not know a tool role)."""
     fmt = getattr(getattr(env, "format", None), "name", None)
-    if getattr(tokenizer, "chat_template", None) and fmt != "tags":
-        return ChatRenderer(tokenizer, tools=env.tool_schemas() or None)
+    tools = (env.tool_schemas() or None) if fmt != "tags" else None   # tags tools are described in the prompt
+    if isinstance(prompt, list) or (getattr(tokenizer, "chat_template", None) and fmt != "tags"):
+        return ChatRenderer(tokenizer, tools=tools)
     return TextRenderer(tokenizer)
 
 
@@ -159,13 +161,14 @@ def sample_agent(llm: LLM, rows: Batch, env: EnvSpec, rollout: RolloutConfig, li
     described in the module docstring; every rank of `mesh` must call it (widths agree)."""
     make_env = environment_factory(env)
     dicts = row_dicts(rows, tokenizer)
-    sessions, renderer = {}, None
+    sessions, renderers = {}, {}   # one renderer for chat-message prompts, one for text
     for i, row in enumerate(dicts):
         for j in range(rollout.n):
             e = make_env()
-            renderer = renderer or pick_renderer(tokenizer, e)
-            sessions[(row_offset + i, j)] = AgentSession(e, renderer, row, limits)
-    stop_ids = sorted({*llm.eos_token_ids, *([renderer.end_of_turn_id] if renderer else [])})
+            kind = isinstance(row.get("prompt"), list)
+            renderers[kind] = renderers.get(kind) or pick_renderer(tokenizer, e, row.get("prompt"))
+            sessions[(row_offset + i, j)] = AgentSession(e, renderers[kind], row, limits)
+    stop_ids = sorted({*llm.eos_token_ids, *(r.end_of_turn_id for r in renderers.values())})
     counts = run_sessions(llm, sessions, rollout, stop_ids, lambda key, turn: turn_seed(rollout.seed, *key, turn))
 
     keys = list(sessions)
