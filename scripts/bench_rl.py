@@ -665,7 +665,7 @@ def main():
 
 
 def summary_rows(name: str, rates: dict) -> list[str]:
-    """README table rows (GRPO against TRL; PPO: hflow only)."""
+    """docs/performance.md table rows (GRPO against TRL; PPO: hflow only)."""
     out = []
     for algo in ("grpo", "ppo"):
         if not any(k[0] == algo for k in rates):

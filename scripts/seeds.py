@@ -1,4 +1,4 @@
-"""A recipe's held-out curve over several seeds: the mean and spread the README reports.
+"""A recipe's held-out curve over several seeds: the mean and spread docs/results.md reports.
 
     python scripts/seeds.py --recipe grpo --seeds 0 1 2                     # the default GRPO run
     python scripts/seeds.py --recipe ppo --seeds 0 1 2 -- --actor.optim.lr 3e-4   # flags after --

@@ -1,4 +1,4 @@
-"""examples/agent_envs.py, the README's environment and tool, played through real sessions."""
+"""examples/agent_envs.py, docs/agents.md's environment and tool, played through real sessions."""
 import json
 from pathlib import Path
 

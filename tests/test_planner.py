@@ -291,7 +291,7 @@ def placement_kind(plan) -> str:
     return "split" if len(sets) == 2 and "critic" not in actor_set else plan.name
 
 
-DIFFERS = "the planner's physical model predicts colocate here; see the README's §8.3 table for why"
+DIFFERS = "the planner's physical model predicts colocate here; see docs/planner.md's §8.3 table for why"
 SECTION_8_3 = [   # (size, GPUs, what the paper found best)
     ("13B", 16, "colocate"), ("13B", 32, "colocate"), ("13B", 64, "colocate"),
     pytest.param("13B", 96, "split", marks=pytest.mark.xfail(strict=True, reason=DIFFERS)),

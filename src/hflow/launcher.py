@@ -172,7 +172,7 @@ def _loopback_if_single_node(world_size: int) -> None:
     """A run on one host talks over loopback only: gloo, NCCL's bootstrap and RPC bind to `lo`
     unless the user chose an interface. Their default is the interface the host name resolves
     to, which on most machines is reachable from the network, and the RPC agent executes what
-    it is sent (see the README's trust model). Multi-node runs keep the defaults (set
+    it is sent (see docs/cluster.md, the trust model). Multi-node runs keep the defaults (set
     GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / TP_SOCKET_IFNAME to the cluster's interface)."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size:
         return

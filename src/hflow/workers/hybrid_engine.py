@@ -135,7 +135,7 @@ class HybridEngine:
         self.open_rollout = None
         # what the engine freed would stay resident (glibc's heap, CUDA's cache) and the update
         # allocate beside it: Qwen3-0.6B's ranks on a 24 GiB host were OOM-killed at 12.4-12.8 GB
-        # without this, and peak at 10.1 GiB with it (README, "At a real size")
+        # without this, and peak at 10.1 GiB with it (docs/performance.md, "At a real size")
         release_freed_memory(self.device)
 
 
