@@ -238,7 +238,8 @@ def test_grpo_reinforce_pp_with_kl_in_the_reward_and_the_gspo_loss_runs(tiny_mod
     assert 0 <= row["actor/clipfrac"] <= 1
 
 
-def test_grpo_defaults_depend_on_the_model():
+@pytest.mark.parametrize("recipe, embedded_tokens, given_tokens", [("grpo", 5, 512), ("agent", 48, 1024)])
+def test_grpo_defaults_depend_on_the_model(recipe, embedded_tokens, given_tokens):
     """The embedded default's toy values apply only to it; a --model.path gets the usual ones;
     a flag the user sets wins either way."""
     import importlib.util
@@ -246,20 +247,20 @@ def test_grpo_defaults_depend_on_the_model():
     import tyro
     from hflow.by_model import resolve_defaults
 
-    spec = importlib.util.spec_from_file_location("grpo_recipe", RECIPES / "grpo.py")
-    grpo = sys.modules["grpo_recipe"] = importlib.util.module_from_spec(spec)   # dataclasses look it up
-    spec.loader.exec_module(grpo)
-    embedded = resolve_defaults(tyro.cli(grpo.Config, args=[]))
-    given = resolve_defaults(tyro.cli(grpo.Config, args=["--model.path", "some/model"]))
+    spec = importlib.util.spec_from_file_location(f"{recipe}_recipe", RECIPES / f"{recipe}.py")
+    module = sys.modules[f"{recipe}_recipe"] = importlib.util.module_from_spec(spec)   # dataclasses look it up
+    spec.loader.exec_module(module)
+    embedded = resolve_defaults(tyro.cli(module.Config, args=[]))
+    given = resolve_defaults(tyro.cli(module.Config, args=["--model.path", "some/model"]))
     assert (embedded.actor.optim.lr, embedded.rollout.max_tokens, embedded.rollout.temperature,
-            embedded.actor.max_tokens_per_micro_batch) == (1e-4, 5, 1.0, 8192)
+            embedded.actor.max_tokens_per_micro_batch) == (1e-4, embedded_tokens, 1.0, 8192)
     # a real model's: what learned on SmolLM2-135M-Instruct (docs/real-model.md)
     assert (given.actor.optim.lr, given.rollout.max_tokens, given.rollout.temperature,
-            given.actor.max_tokens_per_micro_batch) == (1e-5, 512, 0.7, 1024)
+            given.actor.max_tokens_per_micro_batch) == (1e-5, given_tokens, 0.7, 1024)
     assert type(given.actor.optim.lr) is float and type(given.rollout.max_tokens) is int
     assert type(given.rollout.temperature) is float and type(given.actor.max_tokens_per_micro_batch) is int
-    flagged = resolve_defaults(tyro.cli(grpo.Config, args=["--model.path", "m", "--actor.optim.lr", "3e-5"]))
-    assert flagged.actor.optim.lr == 3e-5 and flagged.rollout.max_tokens == 512
+    flagged = resolve_defaults(tyro.cli(module.Config, args=["--model.path", "m", "--actor.optim.lr", "3e-5"]))
+    assert flagged.actor.optim.lr == 3e-5 and flagged.rollout.max_tokens == given_tokens
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "remax"])
