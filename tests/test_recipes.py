@@ -95,6 +95,9 @@ def test_grpo_colocated_with_reference_runs(tiny_model, tmp_path):
     assert [r["step"] for r in logged] == [0, 1, 2]
     assert logged[2]["actor/kl_loss"] >= 0 and "kl/mean" in logged[2]
     assert logged[2]["comm/actor_received_MiB"] > 0   # what rank 0's collectives received this step
+    # the flags as they resolved, beside the metrics: a given model's defaults, the flag set here
+    config = json.loads((out / "config.json").read_text())
+    assert (config["actor"]["optim"]["lr"], config["rollout"]["temperature"], config["algo"]["kl_coef"]) == (1e-5, 0.7, 0.01)
 
 
 @pytest.mark.dist

@@ -1,5 +1,7 @@
 """hflow.run.Run's own bookkeeping, without workers: the bound on skipped optimizer steps."""
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +69,28 @@ def test_the_first_line_counts_the_held_out_prompts_there_are(tmp_path, capsys):
         run.end_step(step, {"reward/mean": 0.0})
     run.finish()
     assert not calls
+
+
+def test_the_runs_resolved_flags_are_written_beside_its_metrics_and_handed_to_tensorboard(tmp_path):
+    """config.json holds the run's flags as they resolved; TensorBoard gets them as text; a
+    resumed run with other flags writes its own (it runs under them)."""
+    cfg = TrainerConfig(steps=1, output_dir=str(tmp_path), logging=LoggingConfig(progress_bars=False))
+    config = {"actor": {"optim": {"lr": 1e-5}}, "rollout": {"temperature": 0.7}, "model": {"path": Path("/m")}}
+    run = Run(cfg, trained={}, run_config=config)
+    for step in run.steps():
+        run.end_step(step, {"reward/mean": 0.0})
+    run.finish()
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written == {"actor": {"optim": {"lr": 1e-5}}, "rollout": {"temperature": 0.7}, "model": {"path": "/m"}}
+    Run(cfg, trained={}, run_config={"actor": {"optim": {"lr": 3e-5}}}).finish()
+    assert json.loads((tmp_path / "config.json").read_text()) == {"actor": {"optim": {"lr": 3e-5}}}
+
+    pytest.importorskip("tensorboard", reason="TensorBoard is an optional package")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = dataclasses.replace(cfg, output_dir=str(tmp_path / "tb"),
+                                logging=LoggingConfig(progress_bars=False, tensorboard=True))
+    Run(board, trained={}, run_config=config).finish()
+    events = EventAccumulator(str(tmp_path / "tb" / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"lr": 1e-05' in text and '"temperature": 0.7' in text

@@ -92,7 +92,7 @@ class MetricsLogger:
     """Appends one row per step to metrics.jsonl, prints it, and forwards it to TB / wandb.
 
     `resume_step`: the step the run resumes from (rows after it are dropped); None starts a new
-    file. `run_config`: the run's configuration (a dict), given to wandb.
+    file. `run_config`: the run's configuration (a dict), given to wandb and to TensorBoard as text.
     """
 
     def __init__(self, output_dir, config: LoggingConfig | None = None, total_steps: int | None = None,
@@ -109,7 +109,7 @@ class MetricsLogger:
             self.path.unlink()
         self._file = open(self.path, "a")
         # Optional sinks: imported only when asked for, with an error that says what to do.
-        self._tb = self._open_tensorboard(resume_step) if self.config.tensorboard else None
+        self._tb = self._open_tensorboard(resume_step, run_config) if self.config.tensorboard else None
         self._wandb = self._open_wandb(resume_step, run_config) if self.config.wandb else None
 
     def _truncate_after(self, step: int):
@@ -119,14 +119,17 @@ class MetricsLogger:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(tmp, self.path)          # atomic: a crash here leaves the old file whole
 
-    def _open_tensorboard(self, resume_step):
+    def _open_tensorboard(self, resume_step, run_config):
         try:
             from torch.utils.tensorboard import SummaryWriter   # optional: --trainer.logging.tensorboard
         except ImportError as e:
             raise _missing("tensorboard", "--trainer.logging.tensorboard") from e
         # purge_step drops events the crashed run wrote after the checkpoint it resumes from.
         purge = None if resume_step is None else resume_step + 1
-        return SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=purge)
+        writer = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=purge)
+        if run_config is not None:   # TensorBoard's text tab renders markdown: the flags as a code block
+            writer.add_text("config", "```\n" + json.dumps(run_config, indent=1, default=str) + "\n```")
+        return writer
 
     def _open_wandb(self, resume_step, run_config):
         try:

@@ -87,7 +87,8 @@ class Setup:
                  f"policy {self.model_dir}; placement: {placement}" + (f"; {notes}" if notes else ""))
         return Run(cfg.trainer, trained=trained, state={"data": self.sampler, **(state or {})},
                    evaluate=evaluate_fn, export=(actor, self.model_dir), about=about,
-                   samples=lambda: rewards.samples, eval_prompts=len(self.val) if self.val is not None else 0)
+                   samples=lambda: rewards.samples, eval_prompts=len(self.val) if self.val is not None else 0,
+                   run_config=dataclasses.asdict(cfg))
 
     def scorer_dir(self, cluster, value: str, kind: str, flag: str) -> str | None:
         """The directory a --reward.model / --cost.model value names: `default` is the embedded

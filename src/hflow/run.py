@@ -19,6 +19,7 @@ controller), saved with every checkpoint and restored on resume together with th
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -32,10 +33,21 @@ class RunStopped(UserError):
     """The run cannot usefully go on (e.g. too many skipped optimizer steps)."""
 
 
+CONFIG_FILE = "config.json"
+
+
+def write_run_config(output_dir: Path, run_config: dict) -> None:
+    """`output_dir`/config.json: every flag of the run as it resolved (written whole, then renamed)."""
+    tmp = output_dir / (CONFIG_FILE + ".tmp")
+    tmp.write_text(json.dumps(run_config, indent=1, default=str) + "\n")
+    os.replace(tmp, output_dir / CONFIG_FILE)
+
+
 class Run:
     def __init__(self, trainer, trained: dict, state: dict | None = None,
                  evaluate: Callable[[], dict] | None = None, export: tuple | None = None, about: str = "",
-                 samples: Callable[[], list[dict]] | None = None, eval_prompts: int | None = None):
+                 samples: Callable[[], list[dict]] | None = None, eval_prompts: int | None = None,
+                 run_config: dict | None = None):
         self.cfg, self.trained, self.state = trainer, trained, state or {}
         # how many held-out prompts an evaluation covers: the split's size where it is smaller than
         # --trainer.eval-size, 0 where there is none (then nothing is evaluated)
@@ -57,7 +69,9 @@ class Run:
                   + (f" (this run's flags replace the checkpoint's{changed})" if changed else ""), flush=True)
         self.skipped, self.saved_step = 0, self.start_step
         self.logger = MetricsLogger(trainer.output_dir, trainer.logging, trainer.steps,
-                                    resume_step=self.start_step if resumed else None)
+                                    resume_step=self.start_step if resumed else None, run_config=run_config)
+        if run_config is not None:   # the flags this run resolved to, defaults included (a resumed run's own)
+            write_run_config(Path(trainer.output_dir), run_config)
         print(self.header(about), flush=True)
 
     def header(self, about: str = "") -> str:
