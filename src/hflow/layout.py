@@ -26,8 +26,6 @@ import torch.nn.functional as F
 
 from hflow.batch import Batch
 
-SEQUENCE_KEYS = ("input_ids", "attention_mask")
-
 
 def prompt_length(tensors) -> int:
     return tensors["input_ids"].shape[1] - tensors["response_mask"].shape[1]
