@@ -1,6 +1,5 @@
 """FSDP2's collectives through shared memory between the ranks of one host (cpu_collectives.py)
 give what gloo's give, in pieces too, and leave nothing behind in /dev/shm."""
-import os
 
 import pytest
 from dist import torchrun

@@ -2,7 +2,6 @@
 hflow's own layouts (FSDP2, the engine, ranks sharing CPU cores) against hand calculations,
 and `auto` on 4 CPU ranks with this machine's measured profile."""
 import dataclasses
-import math
 import re
 from types import SimpleNamespace
 

@@ -1,6 +1,5 @@
 """Saved with the weights replicated on each rank (HSDP, shard groups of 1), loaded sharded over
 both ranks, and back; run by test_checkpoint.py::test_checkpoint_loads_across_sharding_layouts."""
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 

@@ -16,7 +16,7 @@ class Worker:
     @dispatch("all")
     def fail_on(self, bad_rank):
         if dist.get_rank() == bad_rank:
-            raise ValueError(f"bad input on purpose")
+            raise ValueError("bad input on purpose")
         t = torch.ones(1)
         dist.all_reduce(t, group=self.mesh.get_group())   # the others wait here, forever
         return t.item()

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     print("\n".join(describe(best, planner)))
     named = {kind(p, roles): p for p in reversed(plans) if kind(p, roles)}
     others = [p for p in plans[1:] if not kind(p, roles)][:args.top]
-    print(f"\nrunners-up (each placement's best allocation):")
+    print("\nrunners-up (each placement's best allocation):")
     print(f"  {'placement':<44}{'devices':<16}{'step s':>8}{'vs chosen':>11}")
     for p in sorted([*named.values(), *others], key=lambda p: p.step_time):
         if p is best:
