@@ -264,7 +264,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
         with timer("step"):
             with timer("generate"):
                 # a seed per step: a resumed run draws the trajectories the uninterrupted one drew
-                rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
+                rollout = cfg.rollout.for_step(step)
                 batch = actor.generate_agent(agent_prompt_batch(next(setup.sampler)), env, rollout, limits)
             scores, metrics = trajectory_scores(batch, rewards, cfg.agent.reward)
             mask = batch["response_mask"]

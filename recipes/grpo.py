@@ -186,7 +186,7 @@ def sample(actor, sampler, rewards, cfg: Config, algo: GRPOConfig, step: int, dp
     kept, kept_scores, metrics = [], [], {}
     for r in range(rounds):
         # a seed per (step, round): a resumed run draws what the uninterrupted one drew
-        rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step * rounds + r)
+        rollout = cfg.rollout.for_step(step, r, rounds)
         if rollouts is not None:   # generated ahead, while earlier steps trained
             batch, metrics = rollouts.take(step)
         else:

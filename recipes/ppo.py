@@ -25,7 +25,6 @@ Not (yet): multi-turn.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Literal
@@ -139,7 +138,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 if rollouts:   # generated ahead on the rollout group, while earlier steps trained
                     batch, pipeline = rollouts.take(step)
                 else:
-                    rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
+                    rollout = cfg.rollout.for_step(step)
                     batch, pipeline = actor.generate(prompt_batch(next(sampler)), rollout), {}
             scores, metrics = rewards(batch)
             metrics |= pipeline

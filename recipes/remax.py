@@ -25,7 +25,6 @@ Not (yet): the paper's clipping of s - b to +-5, multi-turn.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Literal
@@ -111,7 +110,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     for step in run.steps():
         with timer("step"):
             with timer("generate"):   # the greedy baseline comes from the same weights, in the same engine call
-                rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
+                rollout = cfg.rollout.for_step(step)
                 batch, greedy = split_greedy(actor.generate(prompt_batch(next(sampler)), rollout, with_greedy=True))
             scores, metrics = rewards(batch)
             greedy_scores, _ = rewards(greedy)

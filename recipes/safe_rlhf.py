@@ -176,7 +176,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
         with timer("step"):
             with timer("generate"):
                 prompts = next(sampler)
-                rollout = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + step)
+                rollout = cfg.rollout.for_step(step)
                 batch = actor.generate(prompt_batch(prompts), rollout)
             with timer("score"):   # the groups work at the same time where they sit on different ranks
                 costs = cost_model.scores.future(batch.select("input_ids", "attention_mask", "response_mask"))

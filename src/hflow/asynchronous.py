@@ -37,7 +37,6 @@ Where the weights change depends on timing, so such runs do not repeat bit for b
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from hflow.batch import Batch
@@ -81,7 +80,7 @@ class AsyncRollouts:
         for s in range(step, max(last, step) + 1):
             if s not in self.ready and s not in self.in_flight:
                 prompts = prompt_batch(next(self.sampler))
-                cfg = dataclasses.replace(self.cfg, seed=self.cfg.seed + s)   # a synchronous run's seed
+                cfg = self.cfg.for_step(s)   # a synchronous run's seed
                 self.in_flight[s] = self.rollout.generate.future(prompts, cfg)
         began = time.perf_counter()
         batch = self.ready.pop(step) if step in self.ready else self.in_flight.pop(step).result()

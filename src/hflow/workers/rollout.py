@@ -8,6 +8,7 @@ column `greedy`; `split_greedy` separates the two.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,12 @@ class RolloutConfig:
     """show a progress bar (on the actor's first rank)"""
     block_size: int = 16
     """tokens per KV-cache block"""
+
+    def for_step(self, step: int, sampling_round: int = 0, rounds: int = 1) -> "RolloutConfig":
+        """This config with the seed of step `step` (round `sampling_round` of `rounds` a step,
+        DAPO's dynamic sampling): the one seed rule of every recipe, so that a resumed run draws
+        what the uninterrupted run drew, on any number of ranks."""
+        return dataclasses.replace(self, seed=self.seed + step * rounds + sampling_round)
 
 
 def prompt_token_lists(batch) -> list[list[int]]:
