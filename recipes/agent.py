@@ -64,8 +64,9 @@ import torch
 import hflow
 from hflow import algos
 from hflow.agents import AgentLimits
-from hflow.config import (ActorConfig, OffPolicyConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
+from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                           TrainerConfig, by_model)
+from hflow.critic_free import CriticFreeConfig, critic_free_loss, resolve_critic_free
 from hflow.data import iter_batches
 from hflow.default import EMBEDDED, tool_calling_policy
 from hflow.metrics import Timer
@@ -75,14 +76,6 @@ from hflow.texts import agent_prompt_batch
 from hflow.validation import ConfigError
 from hflow.workers import Actor, Reference
 from hflow.workers.agent_rollout import BUILTIN_ENVIRONMENTS, agent_rollout_metrics, environment_factory
-
-Estimator = Literal[tuple(algos.ESTIMATORS)]   # grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline
-PolicyLoss = Literal[tuple(algos.POLICY_LOSSES)]   # ppo, gspo
-AggMode = Literal[algos.AGG_MODES]
-KLKind = Literal[algos.KL_KINDS]
-# (clip_low, clip_high, loss_agg) of each loss when the flags leave them unset
-LOSS_DEFAULTS = {"ppo": (0.2, 0.2, "token-mean"), "gspo": (3e-4, 4e-4, "seq-mean-token-mean")}
-KL_IN_LOSS = ("grpo", "drgrpo")   # the others put it in the reward, as their papers have it
 
 
 @dataclass
@@ -104,28 +97,6 @@ class AgentConfig:
 
 
 @dataclass
-class AlgoConfig(OffPolicyConfig):
-    estimator: Estimator = "grpo"
-    """Advantage estimator over a prompt's n trajectories (formulas: the docstring of recipes/grpo.py)."""
-    loss: PolicyLoss = "ppo"
-    """Policy loss: ppo (token-level ratio) or gspo (sequence-level ratio)."""
-    clip_low: float | None = None
-    """Clip below: ratio >= 1 - clip_low (None: 0.2 for ppo, 3e-4 for gspo)."""
-    clip_high: float | None = None
-    """Clip above: ratio <= 1 + clip_high (None: 0.2 for ppo, 4e-4 for gspo)."""
-    loss_agg: AggMode | None = None
-    """How token losses add up over a mini-batch (None: token-mean for ppo, seq-mean-token-mean for gspo)."""
-    kl_coef: float = 0.0
-    """beta: weight of the KL to the reference policy (0: no reference model at all)."""
-    kl_in_reward: bool | None = None
-    """Put the KL in the reward (k1 per token) instead of the loss (None: in the loss for grpo, drgrpo; in the reward for the others)."""
-    kl_kind: KLKind = "low_var_kl"
-    """KL estimator of the KL loss: k1, k2, k3, abs, low_var_kl (k3, clamped)."""
-    gamma: float = 1.0
-    """Discount of reinforce_pp's return-to-go (over the model's tokens; observations are skipped)."""
-
-
-@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=lambda: DataConfig(task="multiply"))
@@ -138,7 +109,7 @@ class Config:
         optim=OptimConfig(lr=by_model(1e-4, 1e-5)), max_tokens_per_micro_batch=by_model(8192, 1024)))
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(
         n=8, max_tokens=by_model(48, 1024), temperature=by_model(1.0, 0.7)))
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    algo: CriticFreeConfig = field(default_factory=CriticFreeConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
         steps=60, eval_every=20, output_dir="outputs/agent"))
 
@@ -174,15 +145,6 @@ def environment(cfg: Config):
     return cfg.agent.env
 
 
-def resolve_algo(algo: AlgoConfig) -> AlgoConfig:
-    """The flags left unset filled in from the estimator and the loss."""
-    clip_low, clip_high, loss_agg = LOSS_DEFAULTS[algo.loss]
-    return dataclasses.replace(
-        algo, clip_low=clip_low if algo.clip_low is None else algo.clip_low,
-        clip_high=clip_high if algo.clip_high is None else algo.clip_high, loss_agg=algo.loss_agg or loss_agg,
-        kl_in_reward=algo.estimator not in KL_IN_LOSS if algo.kl_in_reward is None else algo.kl_in_reward)
-
-
 def trajectory_scores(batch, rewards: Rewards, source: str) -> tuple[torch.Tensor, dict]:
     """One training score per trajectory as --agent.reward says, and the reward/* metrics."""
     env = batch["trajectory_reward"]
@@ -193,22 +155,6 @@ def trajectory_scores(batch, rewards: Rewards, source: str) -> tuple[torch.Tenso
         return text, metrics
     metrics["reward/text_mean"] = metrics.pop("reward/mean")
     return env + text, metrics | {"reward/mean": (env + text).mean().item()}
-
-
-def agent_loss(log_probs, mb, entropy=None, *, algo: AlgoConfig, correction: algos.RolloutCorrection):
-    """The clipped policy loss on the advantages, plus the KL loss to the reference, over the
-    model's tokens (response_mask), aggregated as --algo.loss-agg."""
-    mask = mb["response_mask"]   # observations are 0: the model is not trained to predict a tool's output
-    weights, corrected = correction(mb)   # the engine sampled: weighted towards the trainer's policy
-    loss, metrics = algos.policy_loss_fn(algo.loss)(log_probs, mb["old_log_probs"], mb["advantages"], mask,
-                                                    clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg,
-                                                    is_weights=weights)
-    metrics |= corrected
-    if algo.kl_coef > 0 and not algo.kl_in_reward:
-        kl = algos.aggregate_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], algo.kl_kind), mask, algo.loss_agg)
-        loss = loss + algo.kl_coef * kl
-        metrics["kl_loss"] = kl.item()
-    return loss, metrics
 
 
 def evaluate_with_tools(actor, dataset, tokenizer, rule, cfg: Config, limits: AgentLimits,
@@ -240,7 +186,7 @@ def evaluate_with_tools(actor, dataset, tokenizer, rule, cfg: Config, limits: Ag
 
 def main(cluster: hflow.Cluster, cfg: Config):
     limits = check_agent(cfg)   # a bad --agent.env is refused before any model loads
-    algo = resolve_algo(cfg.algo)
+    algo = resolve_critic_free(cfg.algo)
     # split: the models that only read (reference, reward model) on ranks of their own
     sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward)]
     setup = set_up(cluster, cfg, sets, algo="grpo", default=EMBEDDED)   # every input checked, then the warm-up
@@ -256,7 +202,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     evaluate = functools.partial(evaluate_with_tools, actor, setup.val, setup.tokenizer, rewards.rule, cfg, limits)
     run = setup.run(actor, rewards, trained={"actor": actor}, evaluate_fn=evaluate)
     old = setup.old_log_probs(kl_in_reward=ref is not None and algo.kl_in_reward)
-    loss_fn = functools.partial(agent_loss, algo=algo, correction=old.correction)
+    loss_fn = functools.partial(critic_free_loss, algo=algo, correction=old.correction)
     estimator = algos.estimator(algo.estimator)
 
     timer, temperature = Timer(), cfg.rollout.temperature

@@ -135,7 +135,7 @@ LAYERS = {
     "data": 2, "workers": 2, "controller": 2, "run": 2,
     # 3: what recipes are made of
     "launcher": 3, "config": 3, "texts": 3, "planner": 3,
-    "placement": 4, "scoring": 4, "asynchronous": 4,
+    "placement": 4, "scoring": 4, "asynchronous": 4, "critic_free": 4,
     "evaluation": 5,
     # 6: the set-up every recipe calls, and the embedded default beside it (recipes only)
     "recipe": 6, "default": 6,
