@@ -16,7 +16,6 @@ the call the executor is running can see it: a rollout told that new weights are
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import signal
@@ -34,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import measure
 from .batch import Batch
+from .parallel import release_freed_memory
 
 
 # ---- the tasks the controller sends (hflow.controller) --------------------------------------------
@@ -186,7 +186,8 @@ class Server:
             return None
         if isinstance(task, Release):
             self.workers.pop(task.group_id, None)
-            release_memory(self.device)
+            gc.collect()   # the reference cycles a released model holds (its hooks), then its memory back
+            release_freed_memory(self.device)
             return None
         if isinstance(task, Stop):
             return None
@@ -229,19 +230,6 @@ def to_cpu(x):
     if isinstance(x, dict):
         return {k: to_cpu(v) for k, v in x.items()}
     return x
-
-
-def release_memory(device: torch.device) -> None:
-    """Hand freed memory back: collect the reference cycles models hold (hooks), empty the
-    CUDA cache, and let glibc return its free heap to the system (freed CPU tensors otherwise
-    stay in the process's heap)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):   # not glibc
-        pass
 
 
 def log(text: str) -> None:
