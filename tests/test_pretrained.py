@@ -22,7 +22,7 @@ from hflow.pretrained.__main__ import main as cli
 from hflow.pretrained.packaged import stored_gguf
 from hflow.recipe import base_policy
 from hflow.validation import ConfigError
-from hflow.workers.hybrid_engine import stop_token_ids
+from hflow.engine import stop_token_ids
 
 GSM8K = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
 NEW_TOKENS = 32

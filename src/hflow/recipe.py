@@ -37,7 +37,7 @@ from hflow.asynchronous import ROLE as ROLLOUT_ROLE, AsyncRollouts, rollout_sets
 from hflow.batch import Batch
 from hflow.data import ContextRoom, PromptDataset, PromptSampler, load_prompts
 from hflow.data.tasks import task_reward_fn
-from hflow.engine import SUPPORTED_MODEL_TYPES
+from hflow.engine import SUPPORTED_MODEL_TYPES, stop_token_ids
 from hflow.evaluation import evaluate
 from hflow.placement import Placement, job_of, resolve
 from hflow.pretrained import resolve_model
@@ -46,7 +46,6 @@ from hflow.scoring import check_same_tokenizer
 from hflow.validation import ConfigError
 from hflow.workers import check_batch_sizes, is_on_policy, rollout_log_probs_exact
 from hflow.workers.fsdp import FSDPConfig, resolve_param_dtype
-from hflow.workers.hybrid_engine import stop_token_ids
 from hflow.workers.rollout_group import Rollout
 
 # the roles trained by a config group other than --actor.*

@@ -8,8 +8,8 @@ parallel, weights loaded in place) for Llama-family models.
     llm.add_request(prompt_token_ids, params); llm.step()    # request by request (llm.py)
 """
 from hflow.engine.config import EngineConfig
-from hflow.engine.llm import LLM
+from hflow.engine.llm import LLM, stop_token_ids
 from hflow.engine.models import SUPPORTED_MODEL_TYPES
 from hflow.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["LLM", "stop_token_ids", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "SUPPORTED_MODEL_TYPES"]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoConfig, GenerationConfig
+from transformers import AutoConfig
 
 from hflow.engine.block_manager import BlockManager
 from hflow.engine.config import (DEFAULT_KV_CACHE_BYTES, EngineConfig, device_memory, kv_blocks_for_memory,
@@ -97,10 +97,7 @@ class LLM:
         may also be a .gguf file, a Hub id or a fetched name (hflow.pretrained.resolve_model)."""
         path = str(resolve_model(path))
         hf_config = AutoConfig.from_pretrained(path)
-        eos = None
-        if os.path.exists(os.path.join(path, "generation_config.json")):
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
-        llm = cls(hf_config, dtype=dtype, device=device, eos_token_ids=eos, **engine_opts)
+        llm = cls(hf_config, dtype=dtype, device=device, eos_token_ids=stop_token_ids(path), **engine_opts)
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as f:
@@ -407,3 +404,16 @@ class LLM:
         bm = self.block_manager
         return {"num_kv_blocks": bm.num_blocks, "block_size": bm.block_size,
                 "peak_used_blocks": bm.peak_used_blocks, "num_preemptions": self.scheduler.num_preemptions}
+
+
+def stop_token_ids(model_path: str) -> list[int]:
+    """The ids a response stops at: the generation config's EOS, else the model config's."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_path, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return []

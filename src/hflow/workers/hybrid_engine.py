@@ -21,8 +21,6 @@ baseline of ReMax — as sample n of each prompt (rollout.split_greedy separates
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import replace
 
@@ -30,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hflow.engine import LLM, SamplingParams
+from hflow.engine import LLM, SamplingParams, stop_token_ids
 from hflow.engine.sequence import RequestOutput
 from hflow.faults import fault_point
 from hflow.parallel import device_of, local_group, make_mesh, release_freed_memory
@@ -189,15 +187,3 @@ def _with_greedy(sampled: RequestOutput, greedy: RequestOutput) -> RequestOutput
     last = replace(greedy.outputs[0], index=len(sampled.outputs))
     return RequestOutput(sampled.request_id, sampled.prompt_token_ids, [*sampled.outputs, last])
 
-
-def stop_token_ids(model_path: str) -> list[int]:
-    """The ids a response stops at: the generation config's EOS, else the model config's."""
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_path, name)
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            return [eos] if isinstance(eos, int) else list(eos)
-    return []
