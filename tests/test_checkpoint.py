@@ -1,4 +1,5 @@
-"""Checkpoints: atomic commit, keep-last, resume that continues training bit for bit (1 process
+"""Checkpoints through the controller's save_run / resume_run and the workers' save_sharded /
+load_sharded: atomic commit, keep-last, resume that continues training bit for bit (1 process
 and FSDP2 on 2 ranks), a crash mid-save, and Hugging Face export."""
 import os
 import random
@@ -8,6 +9,7 @@ import torch
 
 from dist import PROGRAMS, torchrun
 from hflow import checkpoint as ck
+from programs.checkpoint_fake_group import FakeGroup
 
 
 # ---------------------------------------------------------------- one process, no torch.distributed
@@ -36,17 +38,16 @@ def test_resume_continues_training_exactly(tmp_path):
     for _ in range(3):
         _train_step(model, opt, sched)
     random.seed(5)
-    path = ck.save_checkpoint(tmp_path, 3, {"train": ck.ModelState(model, opt, sched), "rng": ck.RNGState()},
-                              extra={"data_position": 48, "kl_coef": 0.05})
+    path = ck.save_run(tmp_path, 3, {"actor": FakeGroup(model, opt, sched)}, {"data_position": 48, "kl_coef": 0.05})
     expected = [_train_step(model, opt, sched) for _ in range(2)] + [random.random()]
     expected_params = [p.detach().clone() for p in model.parameters()]
 
     torch.manual_seed(123)                         # a fresh process would start elsewhere
     random.seed(123)
     model2, opt2, sched2 = _tiny_training(seed=1)
-    extra = ck.load_checkpoint(ck.latest_checkpoint(tmp_path), {"train": ck.ModelState(model2, opt2, sched2),
-                                                                "rng": ck.RNGState()})
-    assert ck.latest_checkpoint(tmp_path) == path and extra == {"data_position": 48, "kl_coef": 0.05}
+    extra = ck.resume_run(tmp_path, {"actor": FakeGroup(model2, opt2, sched2)})
+    assert ck.latest_checkpoint(tmp_path) == path
+    assert extra == {"data_position": 48, "kl_coef": 0.05, "step": 3, "changed_settings": {}}
     assert sched2.last_epoch == 3 and opt2.param_groups[0]["lr"] == pytest.approx(1e-2 / 4)
     got = [_train_step(model2, opt2, sched2) for _ in range(2)] + [random.random()]
     assert got == expected
@@ -56,30 +57,31 @@ def test_resume_continues_training_exactly(tmp_path):
 
 def test_latest_ignores_tmp_and_keep_last_prunes(tmp_path):
     model, opt, sched = _tiny_training()
-    state = {"train": ck.ModelState(model, opt, sched)}
+    groups = {"actor": FakeGroup(model, opt, sched)}
     for step in range(1, 5):
-        ck.save_checkpoint(tmp_path, step, state, keep_last=2)
+        ck.save_run(tmp_path, step, groups, {}, keep_last=2)
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_3", "step_4"]
     # An interrupted save of step 6: never returned, and cleared by the next committed save.
     ck.begin_save(tmp_path, 6)
     (ck.temporary_dir(tmp_path, 6) / "junk").write_text("half written")
     (tmp_path / "step_5.tmp").mkdir()
     assert ck.latest_checkpoint(tmp_path) == tmp_path / "step_4"
-    ck.save_checkpoint(tmp_path, 10, state, keep_last=2)
+    ck.save_run(tmp_path, 10, groups, {}, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_4"]
     assert ck.checkpoint_step(ck.latest_checkpoint(tmp_path)) == 10
     with pytest.raises(ValueError, match="step_12"):
         ck.checkpoint_step(tmp_path / "step_4.tmp")
     assert ck.latest_checkpoint(tmp_path / "missing") is None
+    assert ck.list_checkpoints(tmp_path / "missing") == []
 
 
 def test_a_failed_later_save_is_cleared_when_the_next_save_begins_and_on_resume(tmp_path):
     """Resumed from step 2 after step 4's save failed: step_4.tmp must not hold its disk space
     until some later commit (the save of step 3 would run out of room first)."""
     model, opt, sched = _tiny_training()
-    ck.save_checkpoint(tmp_path, 2, {"train": ck.ModelState(model, opt, sched)})
-    (tmp_path / "step_4.tmp" / "state").mkdir(parents=True)
-    (tmp_path / "step_4.tmp" / "state" / "__0_0.distcp").write_bytes(b"partial")
+    ck.save_run(tmp_path, 2, {"actor": FakeGroup(model, opt, sched)}, {})
+    (tmp_path / "step_4.tmp" / "actor").mkdir(parents=True)
+    (tmp_path / "step_4.tmp" / "actor" / "__0_0.distcp").write_bytes(b"partial")
     assert ck.begin_save(tmp_path, 3) == tmp_path / "step_3.tmp"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3.tmp"]
     (tmp_path / "step_4.tmp").mkdir()
@@ -89,14 +91,14 @@ def test_a_failed_later_save_is_cleared_when_the_next_save_begins_and_on_resume(
 
 def test_saving_a_step_again_replaces_it(tmp_path):
     model, opt, sched = _tiny_training()
-    state = {"train": ck.ModelState(model, opt, sched)}
-    ck.save_checkpoint(tmp_path, 2, state, extra={"v": 1})
+    group = FakeGroup(model, opt, sched)
+    ck.save_run(tmp_path, 2, {"actor": group}, {"v": 1})
     _train_step(model, opt, sched)
-    ck.save_checkpoint(tmp_path, 2, state, extra={"v": 2})
+    ck.save_run(tmp_path, 2, {"actor": group}, {"v": 2})
     assert [p.name for p in tmp_path.iterdir()] == ["step_2"]
-    assert ck.read_extra(tmp_path / "step_2") == {"v": 2}
+    assert ck.read_extra(tmp_path / "step_2")["v"] == 2
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        ck.load_checkpoint(tmp_path / "step_7", state)
+        ck.load_sharded(tmp_path / "step_7" / "actor", group.state)
 
 
 # ---------------------------------------------------------------- FSDP2 on 2 ranks
@@ -130,7 +132,7 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_usable(tmp_path):
     crashed = torchrun(CRASH_THEN_RESUME, 2, args=[root, "crash"], tmp_path=tmp_path)
     assert not crashed.timed_out and crashed.returncode != 0, crashed.output
     assert "crashing mid-save" in crashed.output and "unreachable" not in crashed.output
-    assert (root / "step_2.tmp" / "state" / ".metadata").exists()    # shards written, not committed
+    assert (root / "step_2.tmp" / "actor" / ".metadata").exists()    # shards written, not committed
     assert ck.latest_checkpoint(root) == root / "step_1"
 
     resumed = torchrun(CRASH_THEN_RESUME, 2, args=[root, "resume"], tmp_path=tmp_path).check()

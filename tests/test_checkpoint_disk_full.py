@@ -39,7 +39,7 @@ def test_a_full_disk_fails_the_save_clearly_and_resume_uses_the_previous_checkpo
 
 
 @pytest.mark.dist
-def test_a_full_disk_on_one_of_2_ranks_fails_both_with_the_same_error(tmp_path):
+def test_a_full_disk_on_one_of_2_ranks_fails_both_saying_so(tmp_path):
     disk = _tmpfs_disk(tmp_path)
     code, output = _on_tmpfs(disk, sys.executable, "-m", "torch.distributed.run", "--nnodes", 1, "--nproc-per-node", 2,
                              "--master-addr", "127.0.0.1", "--master-port", free_port(),

@@ -1,7 +1,7 @@
 """Checkpoint integrity: a manifest (size + sha256 of every file) written before the commit, checked
 on resume; a damaged checkpoint (changed bytes, truncated or missing file) is named in one line and
 the previous one is used; when none verifies the error names the files; checkpoints without a
-manifest (older hflow) load with a warning."""
+manifest load with a warning."""
 import hashlib
 import json
 import os
@@ -100,43 +100,49 @@ def test_when_no_checkpoint_verifies_the_error_names_every_damaged_file(tmp_path
     assert "step_1: actor/.metadata has changed bytes" in text
 
 
-def test_spmd_load_checkpoint_names_the_damaged_file_and_step(tmp_path):
+def test_a_damaged_only_checkpoint_is_named_with_its_step_and_nothing_loads(tmp_path):
     model, opt = trained_linear(128, 128)
-    ck.save_checkpoint(tmp_path, 3, {"t": ck.ModelState(model, opt)}, extra={"k": 1})
+    ck.save_run(tmp_path, 3, {"actor": FakeGroup(model, opt)}, {"k": 1})
     assert sorted(json.loads((tmp_path / "step_3" / ck.MANIFEST).read_text())["files"]) == [
-        "extra.json", "state/.metadata", "state/__0_0.distcp"]
-    os.truncate(tmp_path / "step_3" / "state" / "__0_0.distcp", 1000)
-    with pytest.raises(ck.CheckpointError, match=r"step 3 .*state/__0_0.distcp is truncated \(1000 of \d+ bytes\)"):
-        ck.load_checkpoint(tmp_path / "step_3", {"t": ck.ModelState(*trained_linear(128, 128, seed=1))})
-
-
-def _as_older_hflow_wrote_it(path):
-    """What a checkpoint of hflow before manifests looks like: no manifest, extra.pt."""
-    extra = ck.read_extra(path)
-    (path / ck.MANIFEST).unlink()
-    (path / "extra.json").unlink()
-    torch.save(extra, path / "extra.pt")
-
-
-def _draws():
-    import numpy as np
-    return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+        "actor/.metadata", "actor/__0_0.distcp", "extra.json"]
+    os.truncate(tmp_path / "step_3" / SHARD, 1000)
+    other, other_opt = trained_linear(128, 128, seed=1)
+    before = params(other)
+    with pytest.raises(ck.CheckpointError, match=rf"step_3: {SHARD} is truncated \(1000 of \d+ bytes\)"):
+        ck.resume_run(tmp_path, {"actor": FakeGroup(other, other_opt)})
+    assert all(torch.equal(p, q) for p, q in zip(params(other), before))
 
 
 def test_a_checkpoint_without_manifest_loads_with_one_warning_line(tmp_path, capsys):
     saved = _two_checkpoints(tmp_path)
-    _as_older_hflow_wrote_it(tmp_path / "step_2")
-    ck.set_rng_state(torch.load(tmp_path / "step_2" / "extra.pt", weights_only=False)["rng"])   # ours: trusted
+    (tmp_path / "step_2" / ck.MANIFEST).unlink()
+    ck.set_rng_state(ck.read_extra(tmp_path / "step_2")["rng"])
     expected = _draws()
     torch.manual_seed(99)
     random.seed(99)
     extra, got = _resume(tmp_path)
-    assert _draws() == expected                    # extra.pt's RNG state, read with weights_only=True
+    assert _draws() == expected                    # the controller's RNG state, from extra.json
     assert extra == {"data": {"position": 2}, "step": 2, "changed_settings": {}}
     assert all(torch.equal(p, q) for p, q in zip(got, saved[2]))
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "step 2" in warnings[0] and "no manifest.json" in warnings[0], err
+
+
+def test_a_checkpoint_without_extra_json_is_refused_naming_the_file(tmp_path):
+    """An older hflow's checkpoint (no manifest, extra.pt) is not read: its controller state
+    would be lost without a word."""
+    _two_checkpoints(tmp_path)
+    path = tmp_path / "step_2"
+    (path / ck.MANIFEST).unlink()
+    (path / "extra.json").rename(path / "extra.pt")
+    with pytest.raises(ck.CheckpointError, match=r"step 2 .*extra.json is missing .*extra.pt"):
+        ck.read_extra(path)
+
+
+def _draws():
+    import numpy as np
+    return torch.rand(3).tolist(), random.random(), float(np.random.rand())
 
 
 def test_without_a_manifest_a_truncated_shard_is_still_named_with_its_step(tmp_path, capsys):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import tyro
 
-from hflow.validation import (RULES, ConfigError, check_config, fields_of, flag, prepare_output_dir,
-                              problems)
+from hflow.checkpoint import output_dir_problems, prepare_output_dir
+from hflow.validation import RULES, ConfigError, check_config, fields_of, flag, problems
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # numbers any value of which can work (seeds, weights that may be negative, thresholds)
@@ -105,16 +105,23 @@ def trainer(out, **kw):
     return dataclasses.replace(CONFIGS["ppo"].trainer, output_dir=str(out), **kw)
 
 
+def check(cfg):
+    """What the launcher checks: the flags, and the output directory."""
+    check_config(cfg, output_dir_problems(cfg.trainer))
+
+
 def test_a_used_output_dir_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
     out = tmp_path / "out"
     (out / "checkpoints" / "step_4").mkdir(parents=True)
     (out / "metrics.jsonl").write_text("{}\n")
     cfg = dataclasses.replace(CONFIGS["ppo"], trainer=trainer(out))
     with pytest.raises(ConfigError, match="holds an earlier run .*--trainer.resume.*--trainer.overwrite"):
-        check_config(cfg)
-    check_config(dataclasses.replace(cfg, trainer=trainer(out, resume=True)))
+        check(cfg)
+    with pytest.raises(ConfigError, match=r"^--rollout.n 0: must be >= 1 .*\n--trainer.output-dir .* holds an earlier run"):
+        check(replaced(cfg, ("rollout", "n"), 0))           # one message: the flags, then the directory
+    check(dataclasses.replace(cfg, trainer=trainer(out, resume=True)))
     overwrite = trainer(out, overwrite=True)
-    check_config(dataclasses.replace(cfg, trainer=overwrite))
+    check(dataclasses.replace(cfg, trainer=overwrite))
     prepare_output_dir(overwrite)
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     assert "removed the earlier run's metrics.jsonl, checkpoints" in capsys.readouterr().out
@@ -128,16 +135,16 @@ def test_resume_without_a_checkpoint_starts_over_unless_the_run_had_finished(tmp
     crashed.mkdir()
     (crashed / "metrics.jsonl").write_text('{"step": 0}\n')
     cfg = dataclasses.replace(CONFIGS["ppo"], trainer=trainer(crashed, resume=True))
-    check_config(cfg)
+    check(cfg)
     prepare_output_dir(cfg.trainer)
     assert "nothing to resume in" in capsys.readouterr().out
     finished = tmp_path / "finished"
     (finished / "actor_hf").mkdir(parents=True)
     (finished / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(ConfigError, match="holds a finished run .*no complete checkpoint"):
-        check_config(dataclasses.replace(CONFIGS["ppo"], trainer=trainer(finished, resume=True)))
+        check(dataclasses.replace(CONFIGS["ppo"], trainer=trainer(finished, resume=True)))
     fresh = trainer(tmp_path / "fresh", resume=True)
-    check_config(dataclasses.replace(CONFIGS["ppo"], trainer=fresh))
+    check(dataclasses.replace(CONFIGS["ppo"], trainer=fresh))
     prepare_output_dir(fresh)
     assert "nothing to resume in" in capsys.readouterr().out
 

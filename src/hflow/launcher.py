@@ -27,7 +27,8 @@ from .by_model import resolve_defaults
 from .controller import Cluster, env_float
 from .parallel import pick_device, set_device
 from .server import Server, hard_exit, log
-from .validation import ConfigError, UserError, check_config, notices, prepare_output_dir
+from .checkpoint import output_dir_problems, prepare_output_dir
+from .validation import ConfigError, UserError, check_config, notices
 
 
 def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
@@ -114,7 +115,7 @@ def _parse_and_check(cfg, rank: int):
             if isinstance(cfg, type):
                 cfg = tyro.cli(cfg, description=_description())
             cfg = resolve_defaults(cfg)   # main sees the values for the model in use
-            check_config(cfg)
+            check_config(cfg, output_dir_problems(getattr(cfg, "trainer", None)))
             for line in notices(cfg):
                 log(f"note: {line}")
             if hasattr(cfg, "trainer"):

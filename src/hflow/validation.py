@@ -1,12 +1,13 @@
 """Every flag that can be wrong, checked on rank 0 before anything loads, each problem named in
 one line with its fix.
 
-    check_config(cfg)        # raises ConfigError listing every bad flag
-    prepare_output_dir(cfg.trainer)   # the run's directory: refuse an earlier run, or resume it
+    check_config(cfg, output_dir_problems(cfg.trainer))   # raises ConfigError listing every bad flag
+    prepare_output_dir(cfg.trainer)   # the run's directory: clear an earlier run, or resume it
 
-`hflow.launch` calls both (when it is given the Config class, it parses the flags itself, on
-rank 0 only), so a recipe gets them for free; checks that need the placement (a batch that
-must divide by the actor's ranks) stay in the recipe and raise ConfigError too.
+The output directory's two live with the checkpoints (checkpoint.dirs). `hflow.launch` calls
+them (when it is given the Config class, it parses the flags itself, on rank 0 only), so a
+recipe gets them for free; checks that need the placement (a batch that must divide by the
+actor's ranks) stay in the recipe and raise ConfigError too.
 
 The rules go by field name, wherever the field sits in the config tree (`--actor.optim.lr` and
 `--critic.optim.lr` are both learning rates), so a recipe's own algorithm config is checked by
@@ -16,10 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 
 class UserError(Exception):
@@ -159,13 +158,11 @@ def problems(cfg) -> list[str]:
     return found
 
 
-def check_config(cfg) -> None:
-    """Raise ConfigError naming every flag whose value cannot work (and, when the config has a
-    trainer, an output directory that would mix two runs)."""
-    found = problems(cfg)
-    trainer = getattr(cfg, "trainer", None)
-    if trainer is not None and hasattr(trainer, "output_dir"):
-        found += output_dir_problems(trainer)
+def check_config(cfg, more: Iterable[str] = ()) -> None:
+    """Raise ConfigError naming every flag whose value cannot work, and then the `more` problems
+    found outside the flags' values (the launcher passes checkpoint.output_dir_problems: an
+    output directory that would mix two runs)."""
+    found = problems(cfg) + list(more)
     if found:
         raise ConfigError("\n".join(found))
 
@@ -178,51 +175,3 @@ def notices(cfg) -> list[str]:
         found.append("--data.train-files without --data.val-files: no held-out evaluation (no eval/* "
                      "metrics); pass --data.val-files to evaluate")
     return found
-
-
-# ---------------------------------------------------------------- the run's directory
-
-RUN_FILES = ("metrics.jsonl", "checkpoints", "actor_hf")
-_STEP_DIR = re.compile(r"^step_\d+$")
-
-
-def earlier_run(output_dir) -> list[str]:
-    """What an earlier run left in `output_dir` (metrics, checkpoints, an export)."""
-    out = Path(output_dir)
-    return [name for name in RUN_FILES if (out / name).exists()]
-
-
-def complete_checkpoints(output_dir) -> list[Path]:
-    root = Path(output_dir) / "checkpoints"
-    return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name)) if root.is_dir() else []
-
-
-def output_dir_problems(trainer) -> list[str]:
-    out, earlier = trainer.output_dir, earlier_run(trainer.output_dir)
-    overwrite = getattr(trainer, "overwrite", False)
-    if trainer.resume and overwrite:
-        return ["--trainer.resume and --trainer.overwrite: choose one (continue the run there, or replace it)"]
-    # a run that failed before its first checkpoint is started again by --trainer.resume (it has
-    # nothing to lose but its metrics); one that ended with its export is not silently replaced
-    if trainer.resume and "actor_hf" in earlier and not complete_checkpoints(out):
-        return [f"--trainer.resume: {out} holds a finished run ({', '.join(earlier)}) but no complete "
-                f"checkpoint to continue from (it ran without --trainer.save-every?); start over with "
-                f"--trainer.overwrite, or choose another --trainer.output-dir"]
-    if earlier and not trainer.resume and not overwrite:
-        return [f"--trainer.output-dir {out} holds an earlier run ({', '.join(earlier)}): continue it with "
-                f"--trainer.resume, replace it with --trainer.overwrite, or choose another --trainer.output-dir"]
-    return []
-
-
-def prepare_output_dir(trainer, log=print) -> None:
-    """After check_config: clear an earlier run on --trainer.overwrite, and say what a
-    --trainer.resume will do (the Run object says which step it resumed)."""
-    out = Path(trainer.output_dir)
-    earlier = earlier_run(out)
-    if getattr(trainer, "overwrite", False) and earlier:
-        for name in earlier:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        log(f"hflow: --trainer.overwrite: removed the earlier run's {', '.join(earlier)} in {out}")
-    if trainer.resume and not complete_checkpoints(out):
-        log(f"hflow: --trainer.resume: nothing to resume in {out} (no checkpoint yet); starting at step 0")

@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2ForCausalLM
 
+from checkpoint_fake_group import resume_on_ranks, save_on_ranks  # noqa: F401  (for the programs)
 from hflow import checkpoint as ck
 from hflow.default.model import build_config
 

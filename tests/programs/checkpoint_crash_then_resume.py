@@ -6,14 +6,15 @@ import torch
 import torch.distributed as dist
 
 # importing checkpoint_common joins the gloo process group
-from checkpoint_common import RANK, ROOT, assert_same, build, snapshot, state, train_step
+from checkpoint_common import (RANK, ROOT, assert_same, build, resume_on_ranks, save_on_ranks, snapshot, state,
+                               train_step)
 from hflow import checkpoint as ck
 
 model, opt, sched = build(0)
 phase = sys.argv[2]
 if phase == "crash":
     train_step(model, opt, sched)
-    ck.save_checkpoint(ROOT, 1, state(model, opt, sched), extra={"step": 1})
+    save_on_ranks(ROOT, 1, state(model, opt, sched), {"position": 1})
     snap = snapshot(model, opt)            # collective: every rank gathers
     if RANK == 0:
         torch.save(snap, os.path.join(ROOT, "snapshot_1.pt"))
@@ -25,15 +26,15 @@ if phase == "crash":
             os._exit(17)
         real_rename(src, dst)
     os.rename = die_before_commit
-    ck.save_checkpoint(ROOT, 2, state(model, opt, sched), extra={"step": 2})
+    save_on_ranks(ROOT, 2, state(model, opt, sched), {"position": 2})
     raise SystemExit("unreachable: the save should have crashed")
 else:
     latest = ck.latest_checkpoint(ROOT)
     assert latest.name == "step_1", latest
-    extra = ck.load_checkpoint(latest, state(model, opt, sched))
-    assert extra == {"step": 1}, extra
+    extra = resume_on_ranks(ROOT, state(model, opt, sched))
+    assert extra["step"] == 1 and extra["position"] == 1, extra
     assert_same(snapshot(model, opt), torch.load(os.path.join(ROOT, "snapshot_1.pt")))
-    ck.save_checkpoint(ROOT, 2, state(model, opt, sched), extra={"step": 2})
+    save_on_ranks(ROOT, 2, state(model, opt, sched), {"position": 2})
     print(f"rank {RANK} resumed ok")
 dist.barrier()   # both ranks done with the save's collectives before the group goes
 dist.destroy_process_group()

@@ -15,35 +15,36 @@ the free space) removes its `.tmp`. Resuming checks the newest checkpoint's file
 manifest and falls back to the newest one that verifies, saying which was damaged.
 
 Loading runs no code from the checkpoint: `extra.json` and the RNG states are JSON, and DCP's
-pickles are read through allowlists (safe_format). Checkpoints of older hflow versions (no
-manifest, `extra.pt`) still load, unverified, with a warning.
+pickles are read through allowlists (safe_format). Checkpoints without a manifest still load,
+unverified, with a warning.
 
-Two ways to drive it:
-- SPMD (every rank of one group runs the same code): `save_checkpoint` / `load_checkpoint`.
-- Single controller (hflow's recipes): `save_run` / `resume_run`. The controller calls
-  `begin_save`, asks each worker group to `save_sharded(tmp / role, state, group)` (which returns
-  the hashes of what each rank wrote), waits for all of them, writes `write_extra` and the
-  manifest, then `commit`. Resume: each group `load_sharded(path / role, ...)`, `read_extra`.
+The single controller drives it (hflow's recipes): `save_run` / `resume_run`. The controller
+calls `begin_save`, asks each worker group to `save_sharded(tmp / role, state, group)` (which
+returns the hashes of what each rank wrote), waits for all of them, writes `write_extra` and the
+manifest, then `commit`. Resume: each group `load_sharded(path / role, ...)`, `read_extra`.
 
 Sharded state is a dict of `Stateful` objects (`ModelState`, `RNGState`) and/or tensors; DCP
 saves each rank's shards in parallel and reshards on load. Optimizer state is initialised by
 `get_state_dict` before loading, so a freshly built optimizer can be resumed into.
 
-Modules: dirs (the directories and the commit), sharded (DCP save/load), integrity (the
-manifest), safe_format (JSON and allowlisted pickles), extra, state, spmd, runs, export, errors.
+Before a run starts, `output_dir_problems` / `prepare_output_dir` check and prepare the run's
+output directory (`<output_dir>/checkpoints` is the root).
+
+Modules: dirs (the directories and the commit, the output directory), sharded (DCP save/load),
+integrity (the manifest), safe_format (JSON and allowlisted pickles), extra, state, runs, export,
+errors.
 """
 from .dirs import (begin_save, checkpoint_dir, checkpoint_step, commit, latest_checkpoint, list_checkpoints,
-                   prune_stale, temporary_dir)
+                   output_dir_problems, prepare_output_dir, prune_stale, temporary_dir)
 from .errors import CheckpointError
 from .export import export_hf, export_peft_adapter
 from .extra import EXTRA_FILE, read_extra, write_extra
 from .integrity import MANIFEST, verify
 from .runs import resume_run, save_run
 from .sharded import load_sharded, save_sharded
-from .spmd import load_checkpoint, save_checkpoint
 from .state import ModelState, RNGState, rng_state, set_rng_state
 
 __all__ = ["save_run", "resume_run", "latest_checkpoint", "list_checkpoints", "checkpoint_dir", "checkpoint_step",
-           "begin_save", "commit", "save_sharded", "load_sharded", "write_extra", "read_extra", "save_checkpoint",
-           "load_checkpoint", "export_hf", "export_peft_adapter", "ModelState", "RNGState", "rng_state", "set_rng_state",
-           "temporary_dir", "prune_stale", "verify", "CheckpointError", "EXTRA_FILE", "MANIFEST"]
+           "begin_save", "commit", "save_sharded", "load_sharded", "write_extra", "read_extra", "export_hf",
+           "export_peft_adapter", "ModelState", "RNGState", "rng_state", "set_rng_state", "temporary_dir", "prune_stale",
+           "output_dir_problems", "prepare_output_dir", "verify", "CheckpointError", "EXTRA_FILE", "MANIFEST"]

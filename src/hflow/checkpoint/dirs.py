@@ -1,5 +1,6 @@
 """The directories of a checkpoint root: `step_N` (complete), `step_N.tmp` (a save in progress or
-one that failed), and the rename between them that commits a save."""
+one that failed), and the rename between them that commits a save; and the run's output
+directory around the root (`<output_dir>/checkpoints`), checked before a run starts."""
 from __future__ import annotations
 
 import os
@@ -115,3 +116,51 @@ def _prune(root, step: int, keep_last: int | None):
     if keep_last is not None and keep_last > 0:
         for path in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the run's directory
+
+CHECKPOINTS = "checkpoints"
+RUN_FILES = ("metrics.jsonl", CHECKPOINTS, "actor_hf")
+
+
+def earlier_run(output_dir) -> list[str]:
+    """What an earlier run left in `output_dir` (metrics, checkpoints, an export)."""
+    out = Path(output_dir)
+    return [name for name in RUN_FILES if (out / name).exists()]
+
+
+def output_dir_problems(trainer) -> list[str]:
+    """What is wrong with `trainer.output_dir` for this run (one line each, for check_config):
+    an earlier run there that the flags neither resume nor overwrite. [] for a config without
+    an output directory."""
+    if not hasattr(trainer, "output_dir"):
+        return []
+    out, earlier = trainer.output_dir, earlier_run(trainer.output_dir)
+    overwrite = getattr(trainer, "overwrite", False)
+    if trainer.resume and overwrite:
+        return ["--trainer.resume and --trainer.overwrite: choose one (continue the run there, or replace it)"]
+    # a run that failed before its first checkpoint is started again by --trainer.resume (it has
+    # nothing to lose but its metrics); one that ended with its export is not silently replaced
+    if trainer.resume and "actor_hf" in earlier and not list_checkpoints(Path(out) / CHECKPOINTS):
+        return [f"--trainer.resume: {out} holds a finished run ({', '.join(earlier)}) but no complete "
+                f"checkpoint to continue from (it ran without --trainer.save-every?); start over with "
+                f"--trainer.overwrite, or choose another --trainer.output-dir"]
+    if earlier and not trainer.resume and not overwrite:
+        return [f"--trainer.output-dir {out} holds an earlier run ({', '.join(earlier)}): continue it with "
+                f"--trainer.resume, replace it with --trainer.overwrite, or choose another --trainer.output-dir"]
+    return []
+
+
+def prepare_output_dir(trainer, log=print) -> None:
+    """After check_config: clear an earlier run on --trainer.overwrite, and say what a
+    --trainer.resume will do (the Run object says which step it resumed)."""
+    out = Path(trainer.output_dir)
+    earlier = earlier_run(out)
+    if getattr(trainer, "overwrite", False) and earlier:
+        for name in earlier:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        log(f"hflow: --trainer.overwrite: removed the earlier run's {', '.join(earlier)} in {out}")
+    if trainer.resume and not list_checkpoints(out / CHECKPOINTS):
+        log(f"hflow: --trainer.resume: nothing to resume in {out} (no checkpoint yet); starting at step 0")

@@ -1,6 +1,5 @@
 """The controller's own state in a checkpoint (data position, KL controller, RNG streams, ...):
-`extra.json`, which loading cannot turn into running code (see safe_format). Checkpoints of older
-hflow versions have `extra.pt` instead, read with `weights_only=True`."""
+`extra.json`, which loading cannot turn into running code (see safe_format)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +10,6 @@ from . import safe_format
 from .errors import CheckpointError, where
 
 EXTRA_FILE = "extra.json"
-LEGACY_EXTRA_FILE = "extra.pt"
 
 
 def write_extra(path, extra: dict) -> dict:
@@ -29,12 +27,13 @@ def write_extra(path, extra: dict) -> dict:
 
 
 def read_extra(path) -> dict:
-    """What `write_extra` wrote ({} when nothing was)."""
+    """What `write_extra` wrote; CheckpointError when it is missing (an older hflow's checkpoint,
+    with `extra.pt`, is no longer read) or unreadable."""
     file = Path(path) / EXTRA_FILE
-    if file.exists():
-        try:
-            return safe_format.loads(file.read_text())
-        except (ValueError, KeyError, TypeError, RuntimeError) as e:   # bad JSON or a bad tagged value
-            raise CheckpointError(f"checkpoint {where(path)}: {file} is unreadable ({e})") from None
-    legacy = Path(path) / LEGACY_EXTRA_FILE
-    return safe_format.legacy_torch_load(legacy) if legacy.exists() else {}
+    if not file.exists():
+        raise CheckpointError(f"checkpoint {where(path)}: {file} is missing (an older hflow's checkpoint has "
+                              f"extra.pt instead, which is no longer read: start the run over)")
+    try:
+        return safe_format.loads(file.read_text())
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:   # bad JSON or a bad tagged value
+        raise CheckpointError(f"checkpoint {where(path)}: {file} is unreadable ({e})") from None

@@ -89,15 +89,14 @@ def read_manifest(path) -> dict | None:
         raise CheckpointError(f"checkpoint {where(path)}: {MANIFEST} is unreadable ({e})") from None
 
 
-def verify(path, part: tuple[int, int] = (0, 1)) -> list[str] | None:
+def verify(path) -> list[str] | None:
     """Problems of the checkpoint at `path` against its manifest, one line per damaged file ([]
-    when it verifies); None when it has no manifest. `part=(i, n)`: check only every n-th file
-    from the i-th, so that n ranks share the work."""
+    when it verifies); None when it has no manifest."""
     path = Path(path)
     files = read_manifest(path)
     if files is None:
         return None
-    names = sorted(files)[part[0]::part[1]]
+    names = sorted(files)
     problems, to_hash = [], []
     for name in names:
         file = path / name

@@ -3,8 +3,8 @@
 - The controller's state and every rank's RNG streams are JSON (`dumps`/`loads`): plain values
   as themselves, and what JSON lacks (tuples, bytes, non-string keys, tensors, numpy arrays) as
   tagged objects whose payload is raw bytes, so that every value comes back exactly.
-- Pickles that torch.distributed.checkpoint writes itself (`.metadata`) and those of older hflow
-  versions go through `restricted_load`, which resolves only the globals it is given and
+- Pickles that torch.distributed.checkpoint writes itself (`.metadata`) and an older RNGState's
+  go through `restricted_load`, which resolves only the globals it is given and
   refuses any other: a crafted file raises instead of calling what it names.
 """
 from __future__ import annotations
@@ -185,18 +185,6 @@ def legacy_rng_blob(data: bytes, what: str):
                ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
                ("collections", "OrderedDict"): collections.OrderedDict, **_numpy_globals()}
     return restricted_load(io.BytesIO(data), allowed, what)
-
-
-def legacy_torch_load(file):
-    """An older `extra.pt` (torch.save of plain values, tensors and numpy's RNG state), read with
-    weights_only=True so that it cannot run code."""
-    try:
-        with torch.serialization.safe_globals(list(_numpy_globals().values())):
-            return torch.load(file, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{file}: refused to load: it holds something other than plain values, tensors and "
-                              f"numpy arrays ({weights_only_reason(e)}); it was not written by hflow or has been "
-                              f"tampered with, and nothing in it was run") from None
 
 
 def weights_only_reason(e: Exception) -> str:
