@@ -8,7 +8,8 @@ parallel, weights loaded in place) for Llama-family models.
     llm.add_request(prompt_token_ids, params); llm.step()    # request by request (llm.py)
 """
 from hflow.engine.config import EngineConfig
-from hflow.engine.llm import LLM, stop_token_ids
+from hflow.engine.llm import LLM
+from hflow.engine.loader import stop_token_ids
 from hflow.engine.models import SUPPORTED_MODEL_TYPES
 from hflow.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
 

@@ -5,24 +5,23 @@ every running sequence and returns the requests it finished; a request added bet
 joins the running batch at the next prefill (continuous batching) and reuses the KV blocks of
 any prefix already cached (prefix caching), so a turn of a conversation pays only for its new
 tokens. generate() is that loop over a batch of prompts.
+
+What the engine is made of lives beside it: weights read and copied in (loader.py), the KV
+budget (kv_budget.py), the block manager, scheduler and model runner that LLM wires together.
 """
 from __future__ import annotations
 
-import glob
-import json
-import os
 from collections.abc import Callable, Hashable, Iterable
 
 import torch
-import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from hflow.engine.block_manager import BlockManager
-from hflow.engine.config import (DEFAULT_KV_CACHE_BYTES, EngineConfig, device_memory, kv_blocks_for_memory,
-                                 step_activation_bytes)
+from hflow.engine.config import EngineConfig, device_memory, step_activation_bytes
+from hflow.engine.kv_budget import num_kv_blocks, sized_from_memory, worth_resizing
+from hflow.engine.loader import load_model, safetensors_weights, saved_tokenizer, stop_token_ids
 from hflow.engine.model_runner import ModelRunner
 from hflow.engine.models import build_model
 from hflow.engine.models.layers import TPInfo
@@ -71,8 +70,7 @@ class LLM:
         self.model = build_model(hf_config, self.max_model_len, self.tp, dtype or torch.float32,
                                  torch.device(device or "cpu"))
         # on a GPU without an explicit budget, the cache is sized from free memory each time it is allocated
-        self._size_from_memory = (cfg.num_kv_blocks is None and cfg.kv_cache_bytes is None
-                                  and self.model.embed_tokens.weight.device.type != "cpu")
+        self._size_from_memory = sized_from_memory(self.model, cfg)
         self._asleep = self._weights_freed = False
         self._next_seq_id = self._next_request_id = 0
         self._requests: dict[Hashable, list[Sequence]] = {}   # unfinished requests -> their samples
@@ -83,12 +81,8 @@ class LLM:
     def tokenizer(self):
         """The tokenizer given, or the one saved beside from_pretrained's weights; None if neither."""
         if self._tokenizer is None and self.path is not None and not self._tokenizer_missing:
-            # only with a saved tokenizer: transformers would build an empty one from config.json alone
-            if any(os.path.exists(os.path.join(self.path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-                from transformers import AutoTokenizer
-                self._tokenizer = AutoTokenizer.from_pretrained(self.path)
-            else:
-                self._tokenizer_missing = True
+            self._tokenizer = saved_tokenizer(self.path)
+            self._tokenizer_missing = self._tokenizer is None
         return self._tokenizer
 
     @classmethod
@@ -98,51 +92,14 @@ class LLM:
         path = str(resolve_model(path))
         hf_config = AutoConfig.from_pretrained(path)
         llm = cls(hf_config, dtype=dtype, device=device, eos_token_ids=stop_token_ids(path), **engine_opts)
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            files = [os.path.join(path, f) for f in files]
-        else:
-            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {path}")
-
-        def tensors():  # one tensor in memory at a time
-            for file in files:
-                with safe_open(file, framework="pt") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name)
-        llm.load_weights(tensors())
+        llm.load_weights(safetensors_weights(path))
         llm.path = path
         return llm
 
     def _num_kv_blocks(self) -> int:
-        cfg = self.engine_config
-        per_block = ModelRunner.bytes_per_block(self.model, cfg.block_size)
-        wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        elif cfg.kv_cache_bytes is not None:
-            num_blocks = cfg.kv_cache_bytes // per_block
-        elif not self._size_from_memory:
-            num_blocks = min(wanted, DEFAULT_KV_CACHE_BYTES // per_block)
-        else:
-            device = self.model.embed_tokens.weight.device
-            total, used = device_memory(device)
-            elem = self.model.embed_tokens.weight.element_size()
-            headroom = step_activation_bytes(self.hf_config, cfg.max_num_batched_tokens, cfg.max_num_seqs, elem)
-            # a step's gathers reuse a workspace of up to one layer's blocks (attention.py)
-            per_block_used = per_block + per_block // len(self.model.layers)
-            num_blocks = min(wanted, kv_blocks_for_memory(total, used, cfg.gpu_memory_fraction, per_block_used,
-                                                          headroom))
-            if self.tp.size > 1:  # the ranks of a group must schedule alike: the smallest budget
-                t = torch.tensor([num_blocks], device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
-                num_blocks = int(t)
-        if num_blocks < 1:
-            raise ValueError(f"the KV budget holds no block of {per_block} bytes")
-        return num_blocks
+        # the measurements are this module's names, looked up at each call: tests fake them here
+        return num_kv_blocks(self.model, self.engine_config, self.max_model_len, self._size_from_memory,
+                             memory=device_memory, activation_bytes=step_activation_bytes)
 
     def _make_cache(self, num_blocks: int) -> None:
         """The block manager, scheduler and model runner of a cache of `num_blocks` blocks (the
@@ -168,7 +125,6 @@ class LLM:
         recompute its KV (prompt and tokens so far) with the new weights, and each unfinished
         completion records where the weights changed (CompletionOutput.weight_changes).
         """
-        targets, loaded = self.model.weight_targets(), set()
         if self._requests:   # the cached KV of the running sequences is the old weights'
             self.scheduler.preempt_all()
             for seqs in self._requests.values():
@@ -176,35 +132,10 @@ class LLM:
                     if seq.status != Status.FINISHED:
                         seq.weight_changes.append(seq.num_completion_tokens)
         self.runner.unpack_weights()
-        for name, tensor in named_tensors:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name not in targets:
-                raise KeyError(f"load_weights: unexpected weight {name!r} for model_type "
-                               f"{self.hf_config.model_type!r}")
-            target, shard_dim = targets[name]
-            self._copy(name, target, tensor, shard_dim)
-            loaded.add(name)
+        loaded = load_model(self.model, named_tensors)
         if self.block_manager.num_used_blocks == 0:
             self.block_manager.reset_prefix_cache()  # cached KV was computed by the old weights
         return loaded
-
-    def _copy(self, name, target, tensor, shard_dim) -> None:
-        tp = self.tp
-        if tuple(tensor.shape) == tuple(target.shape):
-            target.copy_(tensor)
-            return
-        if shard_dim is not None and tp.size > 1:
-            full = list(target.shape)
-            full[shard_dim] *= tp.size
-            if list(tensor.shape) == full:
-                n = target.shape[shard_dim]
-                target.copy_(tensor.narrow(shard_dim, tp.rank * n, n))
-                return
-        expected = f"{tuple(target.shape)}"
-        if shard_dim is not None and tp.size > 1:
-            expected += f" (this rank's shard) or {tuple(full)} (full)"
-        raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {expected}")
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1) and also the weights' memory (level 2).
@@ -287,9 +218,7 @@ class LLM:
         """The first request of an idle engine: size a cache that is to be allocated, reset the stats."""
         if self._size_from_memory and self.runner.kv_cache is None:
             num_blocks = self._num_kv_blocks()   # memory free now: training state may have grown
-            held = self.block_manager.num_blocks
-            # shrink to fit; grow only for a real gain (a new block manager costs ~1 us a block)
-            if num_blocks < held or num_blocks > held * 1.05:
+            if worth_resizing(self.block_manager.num_blocks, num_blocks):
                 self._make_cache(num_blocks)
         self.block_manager.peak_used_blocks = self.block_manager.num_used_blocks
         self.scheduler.num_preemptions = 0
@@ -404,16 +333,3 @@ class LLM:
         bm = self.block_manager
         return {"num_kv_blocks": bm.num_blocks, "block_size": bm.block_size,
                 "peak_used_blocks": bm.peak_used_blocks, "num_preemptions": self.scheduler.num_preemptions}
-
-
-def stop_token_ids(model_path: str) -> list[int]:
-    """The ids a response stops at: the generation config's EOS, else the model config's."""
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_path, name)
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            return [eos] if isinstance(eos, int) else list(eos)
-    return []
