@@ -85,6 +85,14 @@ class ReusedBuffers:
         return buffer
 
 
+    def release(self) -> int:
+        """Stop keeping the buffers nothing else holds (between updates, when generation would
+        have their memory); returns the bytes let go. The next update allocates them again."""
+        freed = [b for b in self.kept if _unshared(b)]
+        self.kept = [b for b in self.kept if not _unshared(b)]
+        return sum(b.nbytes for b in freed)
+
+
 def _unshared(buffer: torch.Tensor) -> bool:
     """Nothing holds `buffer`'s storage but `buffer` itself (2: its own reference and that of the
     Python storage object made to ask)."""

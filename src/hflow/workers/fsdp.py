@@ -237,6 +237,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Modul
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(buffers.all_gather)
                 module.set_custom_reduce_scatter(buffers.reduce_scatter)
+        model.reused_buffers = buffers
     return model
 
 

@@ -75,6 +75,7 @@ class HybridEngine:
         if self.open_rollout is not None:
             raise RuntimeError("begin_rollout while a rollout is open: call end_rollout first")
         llm = self._engine(cfg)
+        release_training_memory(self.model, self.device)
         llm.wake_up()
         fault_point("handoff")
         llm.load_weights(generation_weights(self.model, self.gen_mesh, self.dtype))
@@ -135,6 +136,15 @@ class HybridEngine:
         # allocate beside it: Qwen3-0.6B's ranks on a 24 GiB host were OOM-killed at 12.4-12.8 GB
         # without this, and peak at 10.1 GiB with it (docs/performance.md, "At a real size")
         release_freed_memory(self.device)
+
+
+def release_training_memory(model: torch.nn.Module, device: torch.device) -> None:
+    """Give what the last update freed back to the system before the engine allocates: FSDP's
+    kept communication buffers (cpu_collectives.ReusedBuffers) and the heap's free pages."""
+    buffers = getattr(model, "reused_buffers", None)
+    if buffers is not None:
+        buffers.release()
+    release_freed_memory(device)
 
 
 def build_engine(config, model_path: str, dtype: torch.dtype, device: torch.device, gen_mesh: DeviceMesh,
