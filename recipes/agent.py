@@ -24,7 +24,10 @@ rewards summed; 0 for a failed trajectory); fn, `--reward.fn` (and/or `--reward.
 the model's text, observations left out; sum, both. The built-in environments (calculator:
 `<calc>27*82</calc>` -> `<result>2214</result>`; calculator_hermes: Qwen's `<tool_call>` JSON;
 no_tools: no tool at all) score the final answer, the turn without a call, by `--reward.fn`
-(arithmetic when unset).
+(arithmetic when unset). Whichever the score, it is kept as grpo.py's (hflow.scoring.Rewards): a few
+trajectories with their scores in <output_dir>/samples.jsonl, the run stopped once every trajectory
+failed `--reward.max-failed-batches` batches in a row (env: a tool or environment error, or the
+reward function failing on the final answer), a warning when the first batches all scored alike.
 
 The embedded default's task (`--data.task multiply`, "127*46=" -> "5842") is one the model cannot
 do in its head; its starting policy is the warm-up taught to call the calculator and then, mostly,
@@ -75,7 +78,8 @@ from hflow.scoring import Rewards, reward_roles, score
 from hflow.texts import agent_prompt_batch
 from hflow.validation import ConfigError
 from hflow.workers import Actor, Reference
-from hflow.workers.agent_rollout import BUILTIN_ENVIRONMENTS, agent_rollout_metrics, environment_factory
+from hflow.workers.agent_rollout import (BUILTIN_ENVIRONMENTS, agent_rollout_metrics, environment_factory,
+                                         environment_failures)
 
 
 @dataclass
@@ -145,14 +149,27 @@ def environment(cfg: Config):
     return cfg.agent.env
 
 
-def trajectory_scores(batch, rewards: Rewards, source: str) -> tuple[torch.Tensor, dict]:
-    """One training score per trajectory as --agent.reward says, and the reward/* metrics."""
-    env = batch["trajectory_reward"]
+def environment_fix(cfg: Config) -> str:
+    """What to fix when every trajectory's environment reward failed, batch after batch: the
+    environment, and for a built-in the --reward.fn that scores its final answer."""
+    fix = f"fix --agent.env {cfg.agent.env}"
+    if cfg.agent.env in BUILTIN_ENVIRONMENTS:
+        fix += f" or --reward.fn {cfg.reward.fn or 'arithmetic'}, which scores its final answer"
+    return fix
+
+
+def trajectory_scores(batch, rewards: Rewards, cfg: Config) -> tuple[torch.Tensor, dict]:
+    """One training score per trajectory as --agent.reward says, and the reward/* metrics;
+    `rewards` keeps them as it keeps its own (samples.jsonl, the stop, the no-signal warning)."""
+    env, source = batch["trajectory_reward"], cfg.agent.reward
     if source == "env":
+        rewards.record(batch, env, environment_failures(batch), culprit="the environment", unit="trajectory",
+                       fix=environment_fix(cfg))
         return env, {"reward/mean": env.mean().item()}
     text, metrics = rewards(batch)   # response_texts: the model's tokens only, never a tool's output
     if source == "fn":
         return text, metrics
+    rewards.samples = rewards.sampled(batch, env + text)   # the samples show the score trained on
     metrics["reward/text_mean"] = metrics.pop("reward/mean")
     return env + text, metrics | {"reward/mean": (env + text).mean().item()}
 
@@ -212,7 +229,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 # a seed per step: a resumed run draws the trajectories the uninterrupted one drew
                 rollout = cfg.rollout.for_step(step)
                 batch = actor.generate_agent(agent_prompt_batch(next(setup.sampler)), env, rollout, limits)
-            scores, metrics = trajectory_scores(batch, rewards, cfg.agent.reward)
+            scores, metrics = trajectory_scores(batch, rewards, cfg)
             mask = batch["response_mask"]
             with timer("log_probs"):
                 refs = [ref.log_probs.future(batch, temperature)] if ref else []

@@ -1,18 +1,26 @@
 """recipes/agent.py end to end on CPU ranks: GRPO over multi-turn trajectories, held-out
-evaluation with the tools, checkpoints and resume, and a bad --agent.env refused at once."""
+evaluation with the tools, checkpoints and resume, a bad --agent.env refused at once, and the
+environment's rewards kept as hflow.scoring.Rewards keeps a rule's (samples.jsonl, the stop
+after failed batches, the no-signal warning)."""
 import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoTokenizer
 
 from dist import PROGRAMS, torchrun
 from test_agent_rollout import ending_turns_model
 from test_recipes import TIMING
+from test_reward_signal import rollout
+from hflow.config import RewardConfig
 from hflow.default.model import build_default
+from hflow.scoring import Rewards, ScoringFailed
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "agent.py")
 ENVS = os.path.join(PROGRAMS, "agent_envs.py")
@@ -35,8 +43,35 @@ def small_run(model, out, steps, *extra):
             "--trainer.eval-size", 8, "--trainer.logging.no-progress-bars", "--trainer.no-export", *extra]
 
 
-def rows(out) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+def rows(out, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / name).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def scored_envs(tmp_path_factory) -> str:
+    """A file of environments whose rewards a test can tell from outside: --agent.env <it>:Class."""
+    path = tmp_path_factory.mktemp("envs") / "scored_envs.py"
+    path.write_text(textwrap.dedent('''
+        from hflow.agents import Environment, StepResult
+
+        class FirstDigit(Environment):
+            """One turn, rewarded with the prompt's first digit: a samples.jsonl row's score is
+            known from its prompt, and the prompts' scores differ."""
+            def reset(self, row):
+                self.reward = float(next(c for c in row["prompt"] if c.isdigit()))
+                return row["prompt"]
+
+            def step(self, text):
+                return StepResult(None, reward=self.reward, done=True)
+
+        class Broken(Environment):
+            def reset(self, row):
+                return row["prompt"]
+
+            def step(self, text):
+                raise RuntimeError("the environment is broken")
+    '''))
+    return str(path)
 
 
 @pytest.mark.dist
@@ -118,3 +153,57 @@ def test_agent_recipe_with_a_reference_over_multi_turn_trajectories(algo, eot_mo
     assert abs(first["kl/mean"]) < 1e-4 and row["kl/mean"] != 0 and row["agent/observation_tokens"] > 0, row
     assert ("actor/kl_loss" in row) == (algo[1] == "grpo"), row
     assert 0 <= row["actor/clipfrac"] <= 1 and row["actor/grad_norm"] > 0, row
+
+
+@pytest.mark.dist
+def test_environment_rewards_are_written_to_samples_jsonl_with_their_scores(eot_model, scored_envs, tmp_path):
+    """--agent.reward env: the trajectories and their environment rewards in samples.jsonl, as
+    grpo.py writes its responses' scores (one trajectory per prompt here, so every one shows)."""
+    out = tmp_path / "samples"
+    run = torchrun(RECIPE, 2, small_run(eot_model, out, 2, "--agent.env", f"{scored_envs}:FirstDigit",
+                                        "--agent.reward", "env", "--rollout.max-tokens", 96, "--data.batch-size", 2,
+                                        "--rollout.n", 1, "--trainer.logging.samples-every", 1), timeout=400).check()
+    logged, samples = rows(out), rows(out, "samples.jsonl")
+    assert all(r["agent/finish/done"] == 1.0 for r in logged[1:]), logged   # every trajectory got its reward
+    assert [r["step"] for r in samples] == [1, 1, 2, 2], samples   # the 2 trajectories of each step
+    for row in samples:
+        assert set(row) == {"step", "prompt", "response", "score"}, row
+        assert row["score"] == float(re.search(r"\d", row["prompt"]).group()), row
+    for step in (1, 2):   # the rows are the step's trajectories: their scores make its reward/mean
+        assert sum(r["score"] for r in samples if r["step"] == step) / 2 == logged[step]["reward/mean"]
+    assert "warning: every response scored" not in run.output
+
+
+@pytest.mark.dist
+def test_an_environment_that_fails_every_trajectory_stops_the_run_with_one_message(eot_model, scored_envs, tmp_path):
+    out = tmp_path / "broken"
+    run = torchrun(RECIPE, 2, small_run(eot_model, out, 10, "--agent.env", f"{scored_envs}:Broken",
+                                        "--agent.reward", "env", "--rollout.max-tokens", 96), timeout=400)
+    assert run.returncode == 1 and not run.timed_out, run.output
+    message = ("error: the environment failed on every trajectory of 3 batches in a row (8 of 8 in the last; "
+               "first: env_error: RuntimeError: the environment is broken); fix --agent.env ")
+    assert run.output.count(message) == 1, run.output
+    assert [r["step"] for r in rows(out)] == [0, 1, 2]   # steps 1 and 2 logged, step 3 stopped the run
+
+
+def test_known_scores_are_kept_as_the_rules_are(tmp_path, capsys):
+    """Rewards.record (an environment's scores): the samples carry them, the no-signal warning
+    comes after three alike batches, and batches whose every row failed stop the run."""
+    tokenizer = AutoTokenizer.from_pretrained(build_default(tmp_path / "m", "tiny"))
+    rewards = Rewards(None, RewardConfig(max_failed_batches=3), tokenizer)
+    batch = rollout(tokenizer, ["5", "7"], [42, 42])
+    rewards.record(batch, torch.tensor([0.5, 0.25]), [None, None])
+    assert [(r["response"], r["score"]) for r in rewards.samples] == [("5", 0.5), ("7", 0.25)]
+    alike = Rewards(None, RewardConfig(), tokenizer)
+    for _ in range(3):
+        alike.record(batch, torch.tensor([1.0, 1.0]), [None, None])
+    assert capsys.readouterr().out.count("warning: every response scored 1 in each of the first 3 batches") == 1
+    failures = ["env_error: boom", "tool_timeout: no answer within 10s"]
+    for _ in range(2):
+        rewards.record(batch, torch.zeros(2), failures, culprit="the environment", unit="trajectory", fix="fix it")
+    with pytest.raises(ScoringFailed, match=r"^the environment failed on every trajectory of 3 batches in a row "
+                                            r"\(2 of 2 in the last; first: env_error: boom\); fix it, or raise"):
+        rewards.record(batch, torch.zeros(2), failures, culprit="the environment", unit="trajectory", fix="fix it")
+    assert "warning" not in capsys.readouterr().out   # every score failed: that is the message
+    rewards.close()
+    alike.close()

@@ -5,6 +5,8 @@
     rewards = Rewards(cluster, cfg.reward, tokenizer, reward_model_dir, placement.get("reward"))
     scores, metrics = rewards(batch)   # reward/mean; with a model also reward/rule_mean, reward/rm_mean, reward/rm_std
     scores, scored = score(batch, tokenizer, rewards.rule)             # the rule alone (held-out evaluation)
+    # scores known already (an environment's) kept as the rule's are: samples, the stop, the warning
+    rewards.record(batch, env_scores, failures, culprit="the environment", unit="trajectory", fix="fix --agent.env X")
 """
 from __future__ import annotations
 
@@ -60,13 +62,11 @@ class Rewards:
             if self.model else None
         rule, scored = score(batch, self.tokenizer, self.rule)
         metrics = scored.metrics
-        self.samples = self.sampled(batch, rule)
-        if self.cfg.fn or pending is None:   # the rule is (part of) the training score
-            self.stop_if_scoring_keeps_failing(scored)
-        if pending is None:
-            if not all(scored.failures):   # when every score failed, that is the message, not the prompts
-                self.warn_if_no_signal(rule)
+        if pending is None:   # the rule is the training score
+            self.record(batch, rule, scored.failures)
             return rule, metrics
+        if self.cfg.fn:   # the rule is part of the training score
+            self.stop_if_scoring_keeps_failing(scored.failures)
         rm = pending.result()["rm_scores"]
         scores = self.cfg.model_weight * rm + (rule if self.cfg.fn else 0.0)
         self.samples = self.sampled(batch, scores)
@@ -74,6 +74,17 @@ class Rewards:
         metrics["reward/rule_mean"] = metrics.pop("reward/mean")
         return scores, metrics | {"reward/mean": scores.mean().item(), "reward/rm_mean": rm.mean().item(),
                                   "reward/rm_std": rm.std().item() if len(rm) > 1 else 0.0}
+
+    def record(self, batch: Batch, scores: torch.Tensor, failures: list[str | None],
+               culprit: str = "the reward function", unit: str = "response", fix: str | None = None) -> None:
+        """Keep a batch's training scores as the rule's are kept, whoever computed them (the rule,
+        an environment): a few rows as the samples, `failures` (per row None, or why its score
+        is 0) toward the stop, the no-signal warning. `culprit`, `unit` and `fix` word the stop's
+        message (`fix` None: fix --reward.fn)."""
+        self.samples = self.sampled(batch, scores)
+        self.stop_if_scoring_keeps_failing(failures, culprit, unit, fix)
+        if not all(failures):   # when every score failed, that is the message, not the prompts
+            self.warn_if_no_signal(scores)
 
     def sampled(self, batch: Batch, scores: torch.Tensor, count: int = 3) -> list[dict]:
         """`count` rows of a batch as text, with their training scores: the first sample of
@@ -84,18 +95,21 @@ class Rewards:
                 for p, r, s in zip(prompt_texts(rows, self.tokenizer), response_texts(rows, self.tokenizer),
                                    scores[picked])]
 
-    def stop_if_scoring_keeps_failing(self, scored: ScoredBatch) -> None:
+    def stop_if_scoring_keeps_failing(self, failures: list[str | None], culprit: str = "the reward function",
+                                      unit: str = "response", fix: str | None = None) -> None:
         """Raise ScoringFailed once --reward.max-failed-batches batches in a row had every
-        response's scoring fail: the run would go on learning from zeros and exit 0."""
-        every_one_failed = bool(scored.failures) and all(scored.failures)
+        row's scoring fail (`failures`: per row None, or why it failed): the run would go on
+        learning from zeros and exit 0."""
+        every_one_failed = bool(failures) and all(failures)
         self.failed_batches = self.failed_batches + 1 if every_one_failed else 0
         limit = self.cfg.max_failed_batches
         if limit and self.failed_batches >= limit:
+            fix = fix or (f"fix --reward.fn {self.cfg.fn or 'arithmetic'} (a score function returns a real "
+                          f"number, or a dict with one as 'score')")
             raise ScoringFailed(
-                f"the reward function failed on every response of {self.failed_batches} batches in a row "
-                f"({len(scored.failures)} of {len(scored.failures)} in the last; first: {scored.failures[0]}); "
-                f"fix --reward.fn {self.cfg.fn or 'arithmetic'} (a score function returns a real number, or "
-                f"a dict with one as 'score'), or raise --reward.max-failed-batches (0: never stop)")
+                f"{culprit} failed on every {unit} of {self.failed_batches} batches in "
+                f"a row ({len(failures)} of {len(failures)} in the last; first: {failures[0]}); "
+                f"{fix}, or raise --reward.max-failed-batches (0: never stop)")
 
     def warn_if_no_signal(self, scores: torch.Tensor, first: int = 3) -> None:
         """Say so when every response of each of the first `first` batches scored the same: the

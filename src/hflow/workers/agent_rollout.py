@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import hashlib
 from collections import Counter
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -190,6 +190,8 @@ def sample_agent(llm: LLM, rows: Batch, env: EnvSpec, rollout: RolloutConfig, li
         "failed": torch.tensor([t.failed for t in trajs], dtype=torch.bool),
         "tool_calls": torch.tensor([t.counts.get("tool_calls", 0) for t in trajs], dtype=torch.long),
         "bad_tool_calls": torch.tensor([t.counts.get("bad_tool_calls", 0) for t in trajs], dtype=torch.long),
+        # final answers whose reward function failed (a built-in's --reward.fn): scored 0, not failed
+        "reward_errors": torch.tensor([t.counts.get("reward_errors", 0) for t in trajs], dtype=torch.long),
         "prompt_tokens": torch.tensor([counts.total[k] for k in keys], dtype=torch.long),
     }
     columns["prefill_tokens"] = torch.tensor([counts.computed[k] for k in keys], dtype=torch.long)
@@ -198,6 +200,16 @@ def sample_agent(llm: LLM, rows: Batch, env: EnvSpec, rollout: RolloutConfig, li
     if len(carried.keys()):
         out = carried.repeat(rollout.n, interleave=True) | out
     return out
+
+
+def environment_failures(batch: Batch) -> list[Optional[str]]:
+    """Per trajectory, None or why its environment reward is 0 for want of a working environment:
+    the failure that ended it (`finish reason: error`), or the reward function failing on its
+    final answer. A trajectory that ran out of turns or tokens did not fail: its 0 is the policy's."""
+    return [f"{reason}: {error}" if failed else
+            "the reward function failed on its final answer" if errors else None
+            for reason, error, failed, errors in zip(batch["finish_reason"], batch["agent_error"],
+                                                     batch["failed"].tolist(), batch["reward_errors"].tolist())]
 
 
 def agent_rollout_metrics(batch: Batch, prefix: str = "agent/") -> dict[str, float]:
