@@ -54,19 +54,20 @@ class ActorConfig(TrainingConfig):
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
-class Actor(ModelWorker):
-    """The policy: rollouts, log-probs, PPO-style updates, checkpoints."""
+class CausalLMWorker(ModelWorker):
+    """A causal LM built from --actor.* and its response tokens' log-probs: what the Actor and
+    the Reference share."""
 
-    flag_prefix = metric_prefix = "actor"
-    trainable = True
-    output_key = "old_log_probs"
+    flag_prefix = "actor"
+    trainable: bool
+    output_key: str
+    """the column log_probs writes"""
 
     def __init__(self, mesh: DeviceMesh, cfg: ActorConfig):
         if not cfg.model_path:
             raise ValueError(f"--{self.flag_prefix}.model-path is required (a Hugging Face directory)")
         model = build_model(cfg.model_path, mesh, cfg.fsdp, "causal_lm", trainable=self.trainable, lora_cfg=cfg.lora)
         super().__init__(mesh, model, cfg, cfg.optim if self.trainable else None)
-        self.hybrid_engine = HybridEngine(mesh, model, cfg.model_path, cfg.fsdp) if self.trainable else None
 
     def _log_probs(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
         """Per-token log-probs [b, R] of the responses, from one forward over the packed real
@@ -94,6 +95,18 @@ class Actor(ModelWorker):
             return {key: logp, **({"entropy": entropy} if with_entropy else {})}
 
         return Batch(self.forward_rows(as_tensors(batch), forward))
+
+
+class Actor(CausalLMWorker):
+    """The policy: rollouts, log-probs, PPO-style updates, checkpoints."""
+
+    metric_prefix = "actor"
+    trainable = True
+    output_key = "old_log_probs"
+
+    def __init__(self, mesh: DeviceMesh, cfg: ActorConfig):
+        super().__init__(mesh, cfg)
+        self.hybrid_engine = HybridEngine(mesh, self.model, cfg.model_path, cfg.fsdp)
 
     @dispatch("dp", balance=packed_row_tokens)
     def update(self, batch, loss_fn: Callable, temperature: float | None = None,
@@ -144,13 +157,7 @@ class Actor(ModelWorker):
         return super().load(path)
 
     def _refuse_while_rollout_open(self, action: str) -> None:
-        if self.hybrid_engine is not None:
-            self.hybrid_engine.check_closed(action)
-
-    def _hybrid_engine(self) -> HybridEngine:
-        if self.hybrid_engine is None:
-            raise TypeError(f"{type(self).__name__} does not generate")
-        return self.hybrid_engine
+        self.hybrid_engine.check_closed(action)
 
     @dispatch("all")
     def begin_rollout(self, rollout: RolloutConfig) -> None:
@@ -158,7 +165,7 @@ class Actor(ModelWorker):
         tensor-parallel size rollout.tp_size; `sample` then generates on them any number of
         times, until `end_rollout`. update and load are refused in between (the engine would
         keep the old weights)."""
-        self._hybrid_engine().begin(rollout)
+        self.hybrid_engine.begin(rollout)
 
     @dispatch("dp")
     def sample(self, prompts: Batch, rollout: RolloutConfig, with_greedy: bool = False) -> Batch:
@@ -170,7 +177,7 @@ class Actor(ModelWorker):
         temperature. `with_greedy` adds a greedy response per prompt from the same engine call
         (see rollout.split_greedy)."""
         token_lists = prompt_token_lists(prompts)
-        outputs = self._hybrid_engine().sample(token_lists, rollout, with_greedy)
+        outputs = self.hybrid_engine.sample(token_lists, rollout, with_greedy)
         config = self.model.config
         pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         return rollout_batch(prompts, token_lists, outputs, rollout.n, pad_id, self.mesh, rollout.temperature,
@@ -180,7 +187,7 @@ class Actor(ModelWorker):
     def end_rollout(self) -> None:
         """Put the engine to sleep: its KV cache and (unless rollout.free_weights_when_asleep
         is off) its weights are freed."""
-        self._hybrid_engine().end()
+        self.hybrid_engine.end()
 
     @dispatch("one")
     def weight_manifest(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -192,13 +199,13 @@ class Actor(ModelWorker):
         """Broadcast the current weights to a rollout group (workers/rollout_group.py) on the
         ranks `receivers`, whose receive_weights must be issued with it; bucket by bucket from
         this group's first rank. Returns push_s and push_bytes."""
-        return self._hybrid_engine().push(list(receivers), bucket_bytes)
+        return self.hybrid_engine.push(list(receivers), bucket_bytes)
 
     @dispatch("dp")
     def generate(self, prompts: Batch, rollout: RolloutConfig, with_greedy: bool = False) -> Batch:
         """begin_rollout, sample and end_rollout in one call: `rollout.n` responses per prompt
         with the current weights (see sample)."""
-        engine = self._hybrid_engine()
+        engine = self.hybrid_engine
         engine.begin(rollout)
         try:
             return self.sample(prompts, rollout, with_greedy)
@@ -215,7 +222,7 @@ class Actor(ModelWorker):
         agent_rollout.sample_agent; agent_rollout_metrics turns them into figures)."""
         from hflow.agents import AgentLimits
         from hflow.workers import agent_rollout
-        llm = self._hybrid_engine().agent_engine(rollout)
+        llm = self.hybrid_engine.agent_engine(rollout)
         if getattr(self, "_agent_tokenizer", None) is None:
             from transformers import AutoTokenizer
             self._agent_tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
@@ -229,7 +236,7 @@ class Actor(ModelWorker):
     @dispatch("dp")
     def generate_agent(self, rows: Batch, env, rollout: RolloutConfig, limits=None) -> Batch:
         """begin_rollout, sample_agent and end_rollout in one call."""
-        engine = self._hybrid_engine()
+        engine = self.hybrid_engine
         engine.begin(rollout)
         try:
             return self.sample_agent(rows, env, rollout, limits)
@@ -244,15 +251,10 @@ class Actor(ModelWorker):
         return Batch(mb, meta=batch_meta(like))
 
 
-class Reference(Actor):
-    """The frozen initial policy: `log_probs` only (key ref_log_probs), no optimizer state."""
+class Reference(CausalLMWorker):
+    """The frozen initial policy: `log_probs` only (key ref_log_probs), no optimizer state, no
+    engine."""
 
     metric_prefix = "ref"
     trainable = False
     output_key = "ref_log_probs"
-
-    def update(self, *args, **kwargs):
-        raise TypeError("the Reference model is frozen: it has no update")
-
-    def generate(self, *args, **kwargs):
-        raise TypeError("the Reference model does not generate")
