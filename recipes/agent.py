@@ -24,7 +24,7 @@ rewards summed; 0 for a failed trajectory); fn, `--reward.fn` (and/or `--reward.
 the model's text, observations left out; sum, both. The built-in environments (calculator:
 `<calc>27*82</calc>` -> `<result>2214</result>`; calculator_hermes: Qwen's `<tool_call>` JSON;
 no_tools: no tool at all) score the final answer, the turn without a call, by `--reward.fn`
-(arithmetic when unset). Whichever the score, it is kept as grpo.py's (hflow.scoring.Rewards): a few
+(arithmetic when unset). Whichever the score, it is kept as grpo.py's (hflow.recipe_kit.scoring.Rewards): a few
 trajectories with their scores in <output_dir>/samples.jsonl, the run stopped once every trajectory
 failed `--reward.max-failed-batches` batches in a row (env: a tool or environment error, or the
 reward function failing on the final answer), a warning when the first batches all scored alike.
@@ -67,15 +67,15 @@ import torch
 import hflow
 from hflow import algos
 from hflow.agents import AgentLimits
-from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
+from hflow.recipe_kit.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                           TrainerConfig, by_model)
-from hflow.critic_free import CriticFreeConfig, critic_free_loss, resolve_critic_free
+from hflow.recipe_kit.critic_free import CriticFreeConfig, critic_free_loss, resolve_critic_free
 from hflow.data import iter_batches
 from hflow.default import EMBEDDED, tool_calling_policy
 from hflow.metrics import Timer
-from hflow.recipe import gather, kl_to_reference, set_up, step_metrics
-from hflow.scoring import Rewards, reward_roles, score
-from hflow.texts import agent_prompt_batch
+from hflow.recipe_kit.set_up import gather, kl_to_reference, set_up, step_metrics
+from hflow.recipe_kit.scoring import Rewards, reward_roles, score
+from hflow.recipe_kit.text_batches import agent_prompt_batch
 from hflow.validation import ConfigError
 from hflow.workers import Actor, Reference
 from hflow.workers.agent_rollout import (BUILTIN_ENVIRONMENTS, agent_rollout_metrics, environment_factory,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import hflow
 from hflow import Batch
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 from hflow.placement import split
 
 

@@ -52,7 +52,7 @@ Supports: any supported Hugging Face causal LM, jsonl/parquet prompts, rule rewa
 checkpoints and resume, colocated or split (reference on its own ranks) placement, and
 asynchronous steps (`--trainer.async-steps k`: a rollout group on ranks of its own generates the
 next k steps' samples while this one trains, each sample at most k policy versions old, the
-engine's log-probs corrected as --algo.rollout-correction says; hflow/asynchronous.py).
+engine's log-probs corrected as --algo.rollout-correction says; hflow/recipe_kit/async_rollouts.py).
 Not (yet): reward models, DAPO's overlong filtering (masking truncated responses out of the loss),
 multi-turn rollouts.
 """
@@ -66,15 +66,15 @@ import torch
 
 import hflow
 from hflow import algos
-from hflow.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
+from hflow.recipe_kit.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                           TrainerConfig, by_model)
-from hflow.critic_free import CriticFreeConfig, critic_free_loss, resolve_critic_free
+from hflow.recipe_kit.critic_free import CriticFreeConfig, critic_free_loss, resolve_critic_free
 from hflow.default import EMBEDDED
 from hflow.layout import concat_rollouts
 from hflow.metrics import Timer
-from hflow.recipe import gather, kl_to_reference, set_up, step_metrics
-from hflow.scoring import Rewards, reward_roles
-from hflow.texts import prompt_batch
+from hflow.recipe_kit.set_up import gather, kl_to_reference, set_up, step_metrics
+from hflow.recipe_kit.scoring import Rewards, reward_roles
+from hflow.recipe_kit.text_batches import prompt_batch
 from hflow.validation import ConfigError
 from hflow.workers import Actor, Reference
 from hflow.workers.base import trainable_prompts
@@ -132,7 +132,7 @@ def sample(actor, sampler, rewards, cfg: Config, algo: GRPOConfig, step: int, dp
     """This step's responses and their scores (with DAPO's overlong penalty) and the scorer's
     metrics. With dynamic sampling, only the groups whose scores differ, from as many rounds of
     `data.batch-size` prompts as it takes to fill the batch (at most --algo.max-sampling-rounds).
-    With a rollout group (`rollouts`, hflow.asynchronous), the batch it generated for this step."""
+    With a rollout group (`rollouts`, hflow.recipe_kit.async_rollouts), the batch it generated for this step."""
     n, batch_size = cfg.rollout.n, cfg.data.batch_size
     rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
     kept, kept_scores, metrics = [], [], {}

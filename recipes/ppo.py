@@ -31,13 +31,13 @@ from typing import Literal
 
 import hflow
 from hflow import algos
-from hflow.config import (ActorConfig, OffPolicyConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
+from hflow.recipe_kit.config import (ActorConfig, OffPolicyConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
                           RolloutConfig, TrainerConfig, by_model)
 from hflow.default import EMBEDDED
 from hflow.metrics import Timer
-from hflow.recipe import gather, kl_to_reference, set_up, step_metrics
-from hflow.scoring import Rewards, reward_roles
-from hflow.texts import prompt_batch
+from hflow.recipe_kit.set_up import gather, kl_to_reference, set_up, step_metrics
+from hflow.recipe_kit.scoring import Rewards, reward_roles
+from hflow.recipe_kit.text_batches import prompt_batch
 from hflow.workers import Actor, Critic, Reference
 
 

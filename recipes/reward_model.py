@@ -63,15 +63,15 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 import hflow
-from hflow import stopping
-from hflow.config import ModelConfig, OptimConfig
+from hflow.runtime import stopping
+from hflow.recipe_kit.config import ModelConfig, OptimConfig
 from hflow.data import PromptSampler
 from hflow.algos import pair_loss
 from hflow.data.preference import PairDataConfig, pair_batch, read_pair_rows, tokenize_pairs
 from hflow.default import DEFAULT_JUDGES, EMBEDDED, default_pair_rows, default_policy
-from hflow.evaluation import evaluate_pairs
+from hflow.recipe_kit.evaluation import evaluate_pairs
 from hflow.metrics import LoggingConfig, MetricsLogger
-from hflow.recipe import base_policy
+from hflow.recipe_kit.set_up import base_policy
 from hflow.workers import RewardModel, RewardModelConfig
 
 

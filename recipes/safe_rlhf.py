@@ -54,15 +54,15 @@ import torch
 
 import hflow
 from hflow import algos
-from hflow.config import (ActorConfig, OffPolicyConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
+from hflow.recipe_kit.config import (ActorConfig, OffPolicyConfig, CriticConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig,
                           RewardModelConfig, RolloutConfig, TrainerConfig, by_model)
 from hflow.data import safety
 from hflow.default import EMBEDDED, refusing_policy
-from hflow.evaluation import evaluate
+from hflow.recipe_kit.evaluation import evaluate
 from hflow.metrics import LoggingConfig, Timer
-from hflow.recipe import gather, kl_to_reference, scorer_flag_problems, set_up, step_metrics
-from hflow.scoring import Rewards, reward_roles
-from hflow.texts import prompt_batch, response_texts
+from hflow.recipe_kit.set_up import gather, kl_to_reference, scorer_flag_problems, set_up, step_metrics
+from hflow.recipe_kit.scoring import Rewards, reward_roles
+from hflow.recipe_kit.text_batches import prompt_batch, response_texts
 from hflow.validation import ConfigError
 from hflow.workers import Actor, Critic, Reference, RewardModel
 

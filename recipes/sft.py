@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 import hflow
-from hflow import stopping
+from hflow.runtime import stopping
 from hflow.algos import nll_loss
-from hflow.config import ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig
+from hflow.recipe_kit.config import ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig
 from hflow.data import PromptSampler, load_prompts
 from hflow.default import EMBEDDED
-from hflow.evaluation import evaluate
+from hflow.recipe_kit.evaluation import evaluate
 from hflow.metrics import progress
-from hflow.recipe import base_policy
+from hflow.recipe_kit.set_up import base_policy
 from hflow.rewards import Scorer
-from hflow.texts import supervised_batch
+from hflow.recipe_kit.text_batches import supervised_batch
 from hflow.workers import Actor, check_batch_sizes
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from hflow.dispatch import balanced_order  # noqa: E402
+from hflow.runtime.dispatch import balanced_order  # noqa: E402
 
 PROMPTS, N, EOS_PROB, MAX_TOKENS = 16, 4, 0.015, 96
 

@@ -6,7 +6,7 @@
 At the sizes FSDP2 moves for one decoder layer of `--params` parameters (default Qwen3-0.6B's,
 15.7M): the all-gather of the bf16 weights before a layer's forward and the reduce-scatter of
 its fp32 gradients after its backward, each through gloo (`dist.all_gather_into_tensor`,
-`dist.reduce_scatter_tensor`) and through hflow.cpu_collectives.HostSharedMemory, alternating,
+`dist.reduce_scatter_tensor`) and through hflow.distributed.cpu_collectives.HostSharedMemory, alternating,
 one thread a rank, on the same buffers. Prints the median time of each, the ratio, the rate
 (bytes each rank receives a second) and, as the floor, the time the copies alone would take at
 this host's measured single-thread copy rate (the bytes a rank writes and reads through the
@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hflow.cpu_collectives import HostSharedMemory
+from hflow.distributed.cpu_collectives import HostSharedMemory
 
 
 def median_seconds(fn, reps: int, group) -> float:

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from hflow.measure import AllocatedBytes, CollectiveBytes
-from hflow.reshard import generation_mesh, generation_weights, tensor_parallel_dim
+from hflow.distributed.byte_counters import AllocatedBytes, CollectiveBytes
+from hflow.distributed.reshard import generation_mesh, generation_weights, tensor_parallel_dim
 from hflow.workers import Actor, ActorConfig, FSDPConfig
 
 

@@ -349,7 +349,7 @@ def trl_worker(spec_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from hflow.measure import peak_memory_gib
+    from hflow.distributed.byte_counters import peak_memory_gib
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])

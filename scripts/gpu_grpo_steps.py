@@ -33,7 +33,7 @@ import torch
 import hflow
 from hflow import algos
 from hflow.batch import Batch
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 from hflow.lora import LoRAConfig
 from hflow.workers import Actor, ActorConfig, OptimConfig, Reference, RolloutConfig
 from hflow.workers.fsdp import FSDPConfig

@@ -10,7 +10,7 @@ Measures, per seed and side: held-out greedy accuracy (step -> accuracy) at step
 time/step_s; TRL: the sum of on_step_begin..on_step_end); per-phase medians (generate = sampling
 and scoring, update = the rest of the step); generated tokens/s (EOS included) over that time;
 peak memory of a process (hflow: memory/actor_peak_gib, the largest of its ranks; TRL: its one
-process; both hflow.measure.peak_memory_gib); and the greedy responses to the first --samples
+process; both hflow.distributed.byte_counters.peak_memory_gib); and the greedy responses to the first --samples
 held-out prompts before and after. Written to <out>/summary.json; a table and, last, the mean +-
 std over seeds of (final - start) accuracy per side and the wall-time ratio hflow / TRL.
 
@@ -191,7 +191,7 @@ def trl_worker(spec_path: str) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    from hflow.measure import peak_memory_gib
+    from hflow.distributed.byte_counters import peak_memory_gib
 
     a = argparse.Namespace(**json.loads(Path(spec_path).read_text()))
     torch.set_num_threads(2)

@@ -19,7 +19,7 @@ import tyro
 
 import hflow
 from hflow import Batch
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 
 
 @dataclass

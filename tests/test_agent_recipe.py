@@ -1,6 +1,6 @@
 """recipes/agent.py end to end on CPU ranks: GRPO over multi-turn trajectories, held-out
 evaluation with the tools, checkpoints and resume, a bad --agent.env refused at once, and the
-environment's rewards kept as hflow.scoring.Rewards keeps a rule's (samples.jsonl, the stop
+environment's rewards kept as hflow.recipe_kit.scoring.Rewards keeps a rule's (samples.jsonl, the stop
 after failed batches, the no-signal warning)."""
 import json
 import os
@@ -18,9 +18,9 @@ from dist import PROGRAMS, torchrun
 from test_agent_rollout import ending_turns_model
 from test_recipes import TIMING
 from test_reward_signal import rollout
-from hflow.config import RewardConfig
+from hflow.recipe_kit.config import RewardConfig
 from hflow.default.model import build_default
-from hflow.scoring import Rewards, ScoringFailed
+from hflow.recipe_kit.scoring import Rewards, ScoringFailed
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "agent.py")
 ENVS = os.path.join(PROGRAMS, "agent_envs.py")

@@ -176,7 +176,7 @@ class FailsAtReset(FixedTurns):
 
 def test_calculator_on_hflow_prompt_rows_and_a_failed_reset(eot_model, tokenizer):
     """The built-in calculator environment (tags format, so TextRenderer) on rows as
-    texts.prompt_batch makes them (ids, ground truth, extra): the prompt is decoded for the
+    text_batches.prompt_batch makes them (ids, ground truth, extra): the prompt is decoded for the
     environment and the other columns are carried n times. A random model makes no well-formed
     call, so each trajectory is one turn, its final answer. A reset that raises keeps its row
     (its prompt, one masked pad token, reward 0)."""
@@ -312,8 +312,8 @@ def test_actor_agent_rollout_same_on_1_and_2_ranks(eot_model, tmp_path):
 def test_response_texts_and_stop_fraction_count_the_models_tokens_only():
     """A multi-turn row's observations sit between its model turns: the text a reward reads is
     the model's tokens (it used to be the first response_mask.sum() tokens of the stream)."""
-    from hflow.recipe import step_metrics
-    from hflow.texts import response_texts
+    from hflow.recipe_kit.set_up import step_metrics
+    from hflow.recipe_kit.text_batches import response_texts
 
     class Ids:   # a tokenizer whose "text" is the ids it was given
         def batch_decode(self, ids, skip_special_tokens=True):
@@ -334,7 +334,7 @@ def test_a_chat_prompt_is_rendered_once_and_a_text_prompt_as_it_is(eot_model, to
     import json
 
     from hflow.data import DataConfig, load_prompts
-    from hflow.texts import agent_prompt_batch
+    from hflow.recipe_kit.text_batches import agent_prompt_batch
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in (("27*82=", "2214"), ("3*4=", "12"))))
     for chat, system in ((True, "use <calc>"), (False, "")):

@@ -1,4 +1,4 @@
-"""Asynchronous RL (hflow.asynchronous, hflow.weight_sync, workers/rollout_group.py): weights
+"""Asynchronous RL (hflow.recipe_kit.async_rollouts, hflow.distributed.weight_sync, workers/rollout_group.py): weights
 pushed to a rollout group bit for bit, the staleness bound and the versions recorded, resume
 equal to a run that never stopped, faults, and the flags that are refused."""
 import re
@@ -8,9 +8,9 @@ import uuid
 import pytest
 
 from dist import PROGRAMS, run_ranks, torchrun
-from hflow.asynchronous import rollout_sets
+from hflow.recipe_kit.async_rollouts import rollout_sets
 from hflow.validation import ConfigError
-from hflow.weight_sync import buckets, joint_ranks
+from hflow.distributed.weight_sync import buckets, joint_ranks
 from test_faults import BOUND_S, processes_with
 from test_recipes import (RECIPES, assert_resumed_equals_straight, rows, small_run,  # noqa: F401 (fixture)
                           tiny_model)

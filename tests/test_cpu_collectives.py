@@ -6,7 +6,7 @@ from dist import torchrun
 
 COLLECTIVES = """
 import glob, os, sys, torch, torch.distributed as dist
-from hflow.cpu_collectives import HostSharedMemory
+from hflow.distributed.cpu_collectives import HostSharedMemory
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 before = set(glob.glob("/dev/shm/hflow-*"))
@@ -57,7 +57,7 @@ FSDP_USES_IT = """
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from hflow import cpu_collectives
+from hflow.distributed import cpu_collectives
 from hflow.workers.fsdp import FSDPConfig, shard_model
 
 calls = []
@@ -75,7 +75,7 @@ ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(dist.
 model(input_ids=ids).logits.square().mean().backward()
 assert calls.count("all_gather") >= 3 and calls.count("reduce_scatter") >= 3, calls
 # the engine's tp-1 gather of the weights too, equal to DTensor's own gather over gloo
-from hflow.reshard import generation_mesh, generation_weights
+from hflow.distributed.reshard import generation_mesh, generation_weights
 params, before = dict(model.named_parameters()), calls.count("all_gather")
 for name, weight in generation_weights(model, generation_mesh(mesh, 1)):
     assert torch.equal(weight, params[name].full_tensor()), name
@@ -100,7 +100,7 @@ def test_fsdp_on_cpu_runs_its_collectives_through_shared_memory(tmp_path):
 
 NO_ROOM = """
 import os, sys, torch, torch.distributed as dist
-from hflow import cpu_collectives
+from hflow.distributed import cpu_collectives
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 if rank == 1:   # as a /dev/shm too small for the slots (Docker's default 64 MB) on one rank

@@ -35,7 +35,7 @@ import random
 import torch
 
 from hflow.batch import Batch
-from hflow.dispatch import RankGrid, balanced_order, gather, scatter
+from hflow.runtime.dispatch import RankGrid, balanced_order, gather, scatter
 from hflow.workers.micro_batches import packed_row_tokens
 
 
@@ -112,7 +112,7 @@ def test_a_balanced_rollout_keeps_each_prompts_samples_on_one_rank():
 
 
 def test_a_method_declares_the_cost_its_shards_are_balanced_by():
-    from hflow.dispatch import balances, dispatch
+    from hflow.runtime.dispatch import balances, dispatch
     from hflow.workers import Actor, Critic
 
     assert {balances(m) for m in (Actor.log_probs, Actor.update, Critic.values, Critic.update)} == {packed_row_tokens}

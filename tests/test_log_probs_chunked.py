@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hflow.measure import AllocatedBytes
+from hflow.distributed.byte_counters import AllocatedBytes
 from hflow.workers.log_probs import token_log_probs
 
 

@@ -1,10 +1,10 @@
-"""hflow.parallel.device_of: the device a worker puts a mesh's tensors on, read with APIs every
+"""hflow.distributed.parallel.device_of: the device a worker puts a mesh's tensors on, read with APIs every
 allowed torch has (no CUDA needed to check the choice)."""
 from types import SimpleNamespace
 
 import torch
 
-from hflow import parallel
+from hflow.distributed import parallel
 
 
 def test_device_of_a_cpu_mesh_is_the_cpu():

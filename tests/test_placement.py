@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hflow.config import ActorConfig, DataConfig, RolloutConfig
+from hflow.recipe_kit.config import ActorConfig, DataConfig, RolloutConfig
 from hflow.placement import Job, Placement, job_of, resolve
 from hflow.placement.auto import candidates
 from hflow.planner.fsdp import (

@@ -14,13 +14,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from hflow.config import ModelConfig
+from hflow.recipe_kit.config import ModelConfig
 from hflow.engine import LLM, SamplingParams
 from hflow.pretrained import PACKAGED, ModelNotFound, fetch, resolve_model
 from hflow.pretrained import packaged, resolve as resolve_module
 from hflow.pretrained.__main__ import main as cli
 from hflow.pretrained.packaged import stored_gguf
-from hflow.recipe import base_policy
+from hflow.recipe_kit.set_up import base_policy
 from hflow.validation import ConfigError
 from hflow.engine import stop_token_ids
 

@@ -189,7 +189,7 @@ def test_every_placement_spec_on_a_page_places_its_recipes_roles(page, spec):
     (no reference, as scripts/bench_async.py runs it) with a rollout group of its own where
     they name one: each must resolve on as many ranks as it names, through the recipe's own
     rollout_sets."""
-    from hflow.asynchronous import rollout_sets
+    from hflow.recipe_kit.async_rollouts import rollout_sets
     from hflow.placement import resolve
 
     world = 1 + max(int(r) for r in re.findall(r"\d+", spec))

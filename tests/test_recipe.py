@@ -1,4 +1,4 @@
-"""hflow.recipe: the set-up every recipe calls, checked in-process (no ranks are started: a
+"""hflow.recipe_kit.set_up: the set-up every recipe calls, checked in-process (no ranks are started: a
 stand-in cluster records what would be spawned), and the shared steps against hand formulas."""
 from types import SimpleNamespace
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from hflow.batch import Batch
-from hflow.config import (ActorConfig, DataConfig, FSDPConfig, ModelConfig, OffPolicyConfig, RewardConfig,
+from hflow.recipe_kit.config import (ActorConfig, DataConfig, FSDPConfig, ModelConfig, OffPolicyConfig, RewardConfig,
                           RolloutConfig, TrainerConfig)
 from hflow.default.model import build_default
-from hflow.recipe import OldLogProbs, gather, kl_to_reference, set_up, step_metrics
+from hflow.recipe_kit.set_up import OldLogProbs, gather, kl_to_reference, set_up, step_metrics
 from hflow.validation import ConfigError
 
 

@@ -248,7 +248,7 @@ def test_grpo_defaults_depend_on_the_model(recipe, embedded_tokens, given_tokens
     import importlib.util
     import sys
     import tyro
-    from hflow.by_model import resolve_defaults
+    from hflow.model_defaults import resolve_defaults
 
     spec = importlib.util.spec_from_file_location(f"{recipe}_recipe", RECIPES / f"{recipe}.py")
     module = sys.modules[f"{recipe}_recipe"] = importlib.util.module_from_spec(spec)   # dataclasses look it up

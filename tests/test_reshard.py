@@ -5,8 +5,8 @@ import pytest
 from dist import PROGRAMS, torchrun
 from test_fsdp import TESTS_ENV, tiny_model_dir
 
-from hflow.measure import AllocatedBytes
-from hflow.reshard import generation_rank_grid, tensor_parallel_dim
+from hflow.distributed.byte_counters import AllocatedBytes
+from hflow.distributed.reshard import generation_rank_grid, tensor_parallel_dim
 
 
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from dist import PROGRAMS, torchrun
-from hflow.config import ModelConfig
+from hflow.recipe_kit.config import ModelConfig
 from hflow.data import DataError
 from hflow.data.preference import (PairDataConfig, arithmetic_preference_rows, pair_batch, pair_tokens,
                                    read_pair_rows, tokenize_pairs)
 from hflow.default.model import build_default
 from hflow.algos import bradley_terry_loss, cost_model_loss, pair_loss, pair_metrics
-from hflow.recipe import scorer_flag_problems
-from hflow.scoring import check_same_tokenizer, reward_roles
+from hflow.recipe_kit.set_up import scorer_flag_problems
+from hflow.recipe_kit.scoring import check_same_tokenizer, reward_roles
 from hflow.rewards import RewardConfig
 from hflow.rewards.arithmetic import arithmetic_score
 from test_fsdp import TESTS_ENV, tiny_model_dir

@@ -1,11 +1,11 @@
-"""hflow.scoring.Rewards warns when the first batches carry no signal (every response scored the
+"""hflow.recipe_kit.scoring.Rewards warns when the first batches carry no signal (every response scored the
 same), the new user's silent failure, and stays quiet once scores differ."""
 import pytest
 from transformers import AutoTokenizer
 
-from hflow.config import RewardConfig
+from hflow.recipe_kit.config import RewardConfig
 from hflow.default.model import build_default
-from hflow.scoring import Rewards, ScoringFailed
+from hflow.recipe_kit.scoring import Rewards, ScoringFailed
 from hflow.layout import sequence_tensors
 from hflow.batch import Batch
 

@@ -1,13 +1,13 @@
-"""hflow.run.Run's own bookkeeping, without workers: the bound on skipped optimizer steps."""
+"""hflow.recipe_kit.run.Run's own bookkeeping, without workers: the bound on skipped optimizer steps."""
 import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from hflow.config import TrainerConfig
+from hflow.recipe_kit.config import TrainerConfig
 from hflow.metrics import LoggingConfig
-from hflow.run import Run, RunStopped
+from hflow.recipe_kit.run import Run, RunStopped
 
 
 def test_the_run_stops_once_more_steps_were_skipped_than_allowed(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from dist import PROGRAMS, device, free_port, run_ranks
 from test_recipes import RECIPES, rows, small_run, tiny_model  # noqa: F401 (fixture)
 
-from hflow import stopping
+from hflow.runtime import stopping
 
 
 def test_the_first_signal_asks_a_second_ctrl_c_later_stops_at_once(monkeypatch, capsys):

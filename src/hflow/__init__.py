@@ -9,23 +9,23 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "launch": "hflow.launcher",
-    "Cluster": "hflow.controller",
-    "WorkerGroup": "hflow.controller",
-    "RemoteError": "hflow.controller",
+    "launch": "hflow.runtime.launcher",
+    "Cluster": "hflow.runtime.controller",
+    "WorkerGroup": "hflow.runtime.controller",
+    "RemoteError": "hflow.runtime.controller",
     "Batch": "hflow.batch",
     "DataConfig": "hflow.data",
     "RewardConfig": "hflow.rewards",
     "Scorer": "hflow.rewards",
-    "Future": "hflow.controller",
-    "make_mesh": "hflow.parallel",
+    "Future": "hflow.runtime.controller",
+    "make_mesh": "hflow.distributed.parallel",
     "Actor": "hflow.workers",
     "Reference": "hflow.workers",
     "Critic": "hflow.workers",
     "RewardModel": "hflow.workers",
 }
-_SUBMODULES = {"algos", "rewards", "data", "engine", "workers", "config", "metrics", "checkpoint",
-               "placement", "planner", "dispatch"}
+_SUBMODULES = {"algos", "rewards", "data", "engine", "workers", "metrics", "checkpoint",
+               "placement", "planner", "runtime", "distributed", "recipe_kit"}
 
 
 def __getattr__(name):

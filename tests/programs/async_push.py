@@ -9,7 +9,7 @@ import torch
 
 import hflow
 from hflow.batch import Batch
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig, RolloutConfig
 from hflow.workers.rollout_group import Rollout
 

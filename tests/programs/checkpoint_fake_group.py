@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hflow import checkpoint as ck
-from hflow.controller import RemoteError
+from hflow.runtime.controller import RemoteError
 
 
 class _Done:

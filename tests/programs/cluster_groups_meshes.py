@@ -2,8 +2,8 @@
 import os, sys, time
 import torch, torch.distributed as dist
 import hflow
-from hflow.parallel import current_device, make_mesh
-from hflow.dispatch import dispatch
+from hflow.distributed.parallel import current_device, make_mesh
+from hflow.runtime.dispatch import dispatch
 from hflow.placement import split
 
 

@@ -1,6 +1,6 @@
 """hflow.launch outside torchrun is a world of one; run by test_cluster.py::test_single_process_without_torchrun."""
 import torch, hflow
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 
 class Double:
     def __init__(self, mesh):

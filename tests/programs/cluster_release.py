@@ -1,6 +1,6 @@
 """close() frees an Actor group, later calls raise; run by test_cluster.py::test_close_frees_the_workers_memory_and_later_calls_raise."""
 import sys, hflow
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 from hflow.workers import Actor, ActorConfig, RolloutConfig
 from test_fsdp import random_rollouts
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import hflow
 from hflow.batch import Batch
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 from hflow.workers import Actor, ActorConfig, OptimConfig, Reference, RolloutConfig
 from hflow.workers.fsdp import FSDPConfig
 from hflow.layout import position_ids

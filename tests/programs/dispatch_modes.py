@@ -3,7 +3,7 @@ import os, sys, time
 import torch, torch.distributed as dist
 import hflow
 from hflow import Batch
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 
 LOG = []     # (group tag, call index) in the order this rank ran them, across groups
 

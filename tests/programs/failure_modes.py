@@ -2,7 +2,7 @@
 import os, signal, sys, time
 import torch, torch.distributed as dist
 import hflow
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 
 
 class Worker:

@@ -1,7 +1,7 @@
 """On-policy updates with and without old_log_probs; run by test_fsdp.py::test_on_policy_update_skips_the_old_log_probs_pass."""
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from hflow.measure import CollectiveBytes
+from hflow.distributed.byte_counters import CollectiveBytes
 from hflow.workers import Actor, ActorConfig, OptimConfig
 from test_fsdp import random_rollouts
 torch.set_num_threads(1)

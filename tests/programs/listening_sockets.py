@@ -4,7 +4,7 @@ import os
 import socket
 
 import hflow
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 
 
 def listening_addresses(pid: int) -> list[str]:

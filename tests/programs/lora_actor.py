@@ -9,9 +9,9 @@ import torch
 
 import hflow
 from hflow.batch import Batch
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 from hflow.lora import LoRAConfig, is_adapter, low_rank_delta
-from hflow.reshard import tensor_parallel_dim
+from hflow.distributed.reshard import tensor_parallel_dim
 from hflow.workers import Actor, ActorConfig, OptimConfig, Reference, RolloutConfig
 
 path, out, dtype = sys.argv[1], sys.argv[2], sys.argv[3]

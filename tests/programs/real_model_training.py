@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from hflow import algos
 from hflow.batch import Batch
-from hflow.parallel import release_freed_memory
+from hflow.distributed.parallel import release_freed_memory
 from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig, RolloutConfig
 from test_real_model_training import (LR, MICRO_BATCH_SIZE, N, TEMPERATURE, TOLERANCE_LOG_PROBS,
                                       chat_rollouts)

@@ -2,8 +2,8 @@
 import os, re, sys, time, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig
-from hflow.measure import AllocatedBytes, CollectiveBytes
-from hflow.reshard import generation_mesh, generation_shard, generation_weights, tensor_parallel_dim
+from hflow.distributed.byte_counters import AllocatedBytes, CollectiveBytes
+from hflow.distributed.reshard import generation_mesh, generation_shard, generation_weights, tensor_parallel_dim
 from test_fsdp import random_rollouts
 torch.set_num_threads(1)
 dist.init_process_group("gloo")

@@ -2,8 +2,8 @@
 import sys, torch
 import hflow
 from hflow.batch import Batch
-from hflow.dispatch import dispatch
-from hflow.reshard import tensor_parallel_dim
+from hflow.runtime.dispatch import dispatch
+from hflow.distributed.reshard import tensor_parallel_dim
 from hflow.workers import Actor, ActorConfig, OptimConfig, RolloutConfig
 
 path, tps = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]

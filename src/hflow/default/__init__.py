@@ -10,7 +10,7 @@ built once and cached (cache.py).
     tool_use.py   the agent task's starting policy, which calls its calculator on some products
     cache.py      where they live, and how each is built exactly once
 
-The library never imports this package: a recipe hands `EMBEDDED` to `hflow.recipe.set_up`,
+The library never imports this package: a recipe hands `EMBEDDED` to `hflow.recipe_kit.set_up.set_up`,
 which asks it for a model only when --model.path is empty.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["EMBEDDED", "EmbeddedDefault", "DEFAULT_JUDGES", "build_default", "de
 
 
 class EmbeddedDefault:
-    """The embedded default as `hflow.recipe.set_up` asks for it (`model` is the run's
+    """The embedded default as `hflow.recipe_kit.set_up.set_up` asks for it (`model` is the run's
     ModelConfig: --model.default-size, --model.default-seed)."""
 
     def base_model(self, model) -> Path:

@@ -14,16 +14,16 @@ from typing import Callable
 
 from transformers import AutoTokenizer
 
-from hflow import stopping
+from hflow.runtime import stopping
 from hflow.algos import pair_loss
 from hflow.data import DataConfig, PromptSampler, iter_batches, load_prompts
 from hflow.data.preference import PairDataConfig, builtin_pair_rows, pair_batch, tokenize_pairs
 from hflow.default.cache import build_once
 from hflow.default.warm_up import default_policy, default_policy_dir
-from hflow.evaluation import evaluate_pairs
+from hflow.recipe_kit.evaluation import evaluate_pairs
 from hflow.metrics import progress
 from hflow.rewards.arithmetic import arithmetic_score
-from hflow.texts import prompt_batch, response_texts
+from hflow.recipe_kit.text_batches import prompt_batch, response_texts
 from hflow.workers import Actor, ActorConfig, OptimConfig, RewardModel, RewardModelConfig, RolloutConfig
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from hflow import stopping
+from hflow.runtime import stopping
 from hflow.algos import nll_loss
 from hflow.data import PromptSampler
 from hflow.default.cache import build_once
-from hflow.texts import supervised_batch
+from hflow.recipe_kit.text_batches import supervised_batch
 from hflow.workers import Actor, ActorConfig, OptimConfig
 
 # Bump when refusing_policy's settings change what it builds: its cache directory carries it.

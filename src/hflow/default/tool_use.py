@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hflow import stopping
+from hflow.runtime import stopping
 from hflow.agents import Segment, TextRenderer, Trajectory, trajectory_tensors
 from hflow.agents.builtin_tools import calculator
 from hflow.agents.tools import as_tool

@@ -10,15 +10,16 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from hflow import checkpoint, stopping
+from hflow import checkpoint
+from hflow.runtime import stopping
 from hflow.algos import nll_loss
 from hflow.data import DataConfig, PromptSampler, load_prompts
 from hflow.default.cache import build_once
 from hflow.default.model import default_model_dir
-from hflow.evaluation import evaluate
+from hflow.recipe_kit.evaluation import evaluate
 from hflow.metrics import progress
 from hflow.rewards import RewardConfig, Scorer
-from hflow.texts import supervised_batch
+from hflow.recipe_kit.text_batches import supervised_batch
 from hflow.workers import Actor, ActorConfig, RolloutConfig
 
 
@@ -58,7 +59,7 @@ def default_policy(cluster, size: str = "default", seed: int = 0, stop_at: float
         sampler = PromptSampler(train, 128, shuffle=True, seed=seed)
         rollout = RolloutConfig(n=1, temperature=1.0, max_tokens=5, progress=False)
         reward, first = float("nan"), 1
-        # a warm-up stopped by Ctrl-C (stopping.py) saved its last step: continue it, bit for bit
+        # a warm-up stopped by Ctrl-C (runtime/stopping.py) saved its last step: continue it, bit for bit
         if (state := checkpoint.resume_run(partial, {"actor": actor})) is not None:
             sampler.load_state_dict(state["data"])
             reward, first = state["reward"], state["step"] + 1

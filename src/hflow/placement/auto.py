@@ -40,7 +40,7 @@ class Job:
 def job_of(cfg, model_dir: str, prompts, actor_log_probs: bool) -> Job:
     """The Job of a recipe's Config (its data, rollout and actor flags), the policy directory,
     the training prompts (their mean length is the prompt length) and whether the actor
-    recomputes the old log-probs (hflow.recipe.OldLogProbs) instead of taking the engine's."""
+    recomputes the old log-probs (hflow.recipe_kit.set_up.OldLogProbs) instead of taking the engine's."""
     lengths = [len(ids) for ids in prompts.prompt_ids]
     actor, batch = cfg.actor, cfg.data.batch_size
     minibatches = batch // actor.mini_batch_size if actor.mini_batch_size else 1

@@ -3,7 +3,7 @@
     plans = async_plans(planner)          # every rollout / training split of the devices
     plans[0].overlapped                   # the fastest one's seconds a step, generation overlapped
 
-hflow's asynchronous steps (hflow.asynchronous, `--trainer.async-steps k`) put the actor's engine
+hflow's asynchronous steps (hflow.recipe_kit.async_rollouts, `--trainer.async-steps k`) put the actor's engine
 on a rollout group of its own and every model of the dataflow, the actor's training included, on
 the other devices. For each split, n_g rollout devices and n_t = N - n_g training ones:
 

@@ -132,7 +132,7 @@ def fsdp_working_bytes(model: Model, n: int, work: Workload, weight_bytes: int, 
 
 def fsdp_reshard_bytes(model: Model, n: int, tp: int, weight_bytes: int) -> float:
     """Bytes a rank receives going from its FSDP shard (1/n) to its engine shard (1/tp_g),
-    which contains it (hflow.reshard)."""
+    which contains it (hflow.distributed.reshard)."""
     return weight_bytes * model.shape.params(model.value_head) * (1 / tp - 1 / n)
 
 

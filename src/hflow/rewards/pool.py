@@ -79,7 +79,7 @@ def _score_one(fn: Callable, response: str, ground_truth: Any, extra: dict) -> t
 
 def _worker_main(conn) -> None:
     """Serve ("load", pickled fn) and ("score", response, ground truth, extra) until told to stop."""
-    # Ctrl-C and SIGTERM are the controller's to handle (it finishes the step: stopping.py);
+    # Ctrl-C and SIGTERM are the controller's to handle (it finishes the step: runtime/stopping.py);
     # the worker ends when the pool closes its pipe, also when the controller is killed
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -36,7 +36,7 @@ class RewardConfig:
 
 class Scorer:
     """``RewardConfig``'s rule made callable: ``Scorer(cfg.reward)(responses, ground_truths, extras)``
-    (a reward model in the loop is hflow.scoring.Rewards' part)."""
+    (a reward model in the loop is hflow.recipe_kit.scoring.Rewards' part)."""
 
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg

@@ -31,10 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.batch import Batch
 from hflow.checkpoint import export_peft_adapter
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 from hflow.faults import fault_point
 from hflow.lora import LoRAConfig
-from hflow.weight_sync import DEFAULT_BUCKET_BYTES, weight_manifest
+from hflow.distributed.weight_sync import DEFAULT_BUCKET_BYTES, weight_manifest
 from hflow import layout
 from hflow.workers import packing
 from hflow.workers.log_probs import token_log_probs
@@ -191,7 +191,7 @@ class Actor(CausalLMWorker):
 
     @dispatch("one")
     def weight_manifest(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(name, shape) of every tensor push_weights sends, in order (hflow.weight_sync)."""
+        """(name, shape) of every tensor push_weights sends, in order (hflow.distributed.weight_sync)."""
         return weight_manifest(self.model)
 
     @dispatch("all")

@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hflow import algos, measure
+from hflow import algos
+from hflow.distributed import byte_counters
 from hflow.checkpoint import ModelState, export_hf, load_sharded, save_sharded
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 from hflow import layout
-from hflow.parallel import device_of
+from hflow.distributed.parallel import device_of
 from hflow.workers import micro_batches
 from hflow.workers.fsdp import FSDPConfig, check_shard_size, mixed_precision, reshard
 from hflow.workers.optim import OptimConfig, all_reduce_sum, apply_optim_config, build_optimizer, clip_grad_norm_
@@ -194,7 +195,7 @@ class ModelWorker:
         grad_norm, lr (the learning rate of the last step), skipped_steps (optimizer steps
         skipped for a non-finite gradient norm), keyed "<role>/<name>" (e.g. actor/loss,
         actor/clipfrac, critic/grad_norm), and memory/<role>_peak_gib: the peak memory so far of
-        the largest of its processes (hflow.measure.peak_memory_gib).
+        the largest of its processes (hflow.distributed.byte_counters.peak_memory_gib).
         """
         if loss_agg not in algos.AGG_MODES:
             raise ValueError(f"unknown loss aggregation {loss_agg!r}; choose one of {algos.AGG_MODES}")
@@ -240,7 +241,7 @@ class ModelWorker:
                 steps += 1
         metrics = {k: v / steps for k, v in totals.items()}
         # the peak over the ranks too: what a machine must hold for this role's largest process
-        maxima["peak_memory_gib"] = measure.peak_memory_gib(self.device)
+        maxima["peak_memory_gib"] = byte_counters.peak_memory_gib(self.device)
         keys = sorted(maxima)   # every rank logged the same keys: its loss function's and the peak
         reduced = all_reduce_sum(torch.tensor([maxima[k] for k in keys]), self.mesh, op=dist.ReduceOp.MAX)
         metrics |= dict(zip(keys, reduced.tolist()))
@@ -248,8 +249,8 @@ class ModelWorker:
         metrics["lr"], metrics["skipped_steps"] = lr, float(skipped)
         metrics = {f"{self.metric_prefix}/{k}": v for k, v in metrics.items()}
         metrics[f"memory/{self.metric_prefix}_peak_gib"] = peak   # beside time/: not the computation's
-        if measure.counting_enabled():
-            metrics[f"comm/{self.metric_prefix}_received_MiB"] = measure.received_since_last_report() / 2**20
+        if byte_counters.counting_enabled():
+            metrics[f"comm/{self.metric_prefix}_received_MiB"] = byte_counters.received_since_last_report() / 2**20
         return metrics
 
     # ---- checkpoints -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ A worker model is built (workers/hf_model.py) in torchtitan's order:
 Row-parallel weights (`o_proj`, `down_proj`) are sharded by FSDP on dim 1 (their input dim)
 when it divides by the world size: the tensor-parallel engine splits them on dim 1 too, so
 each rank's generation shard then *contains* its training shard and resharding needs only a
-gather inside small groups (see hflow/reshard.py). The math of training does not change.
+gather inside small groups (see hflow/distributed/reshard.py). The math of training does not change.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import Shard
 
 from hflow.engine.models.layers import cpu_bf16_instructions  # the engine packs bf16 on the same test
-from hflow.parallel import device_of, make_mesh
-from hflow.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
+from hflow.distributed.parallel import device_of, make_mesh
+from hflow.distributed.reshard import ROW_PARALLEL  # the linears tensor parallelism splits on their input dim
 from hflow.validation import ConfigError
-from hflow.cpu_collectives import REUSED_BUFFER_BYTES, ReusedBuffers, host_shared_memory
+from hflow.distributed.cpu_collectives import REUSED_BUFFER_BYTES, ReusedBuffers, host_shared_memory
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}

@@ -21,7 +21,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           AutoModelForTokenClassification)
 
 from hflow.lora import LoRAConfig, add_adapters, init_adapters, is_adapter
-from hflow.parallel import device_of
+from hflow.distributed.parallel import device_of
 from hflow.workers.fsdp import FSDPConfig, materialize, params_on_meta, shard_model, storage_dtype
 from hflow.workers.packing import register_attention
 

@@ -31,9 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow.engine import LLM, SamplingParams, stop_token_ids
 from hflow.engine.sequence import RequestOutput
 from hflow.faults import fault_point
-from hflow.parallel import device_of, local_group, make_mesh, release_freed_memory
-from hflow.reshard import generation_mesh, generation_weights
-from hflow.weight_sync import joint_ranks, send_weights, weight_manifest
+from hflow.distributed.parallel import device_of, local_group, make_mesh, release_freed_memory
+from hflow.distributed.reshard import generation_mesh, generation_weights
+from hflow.distributed.weight_sync import joint_ranks, send_weights, weight_manifest
 from hflow.workers.fsdp import mixed_precision
 from hflow.workers.rollout import RolloutConfig
 
@@ -99,7 +99,7 @@ class HybridEngine:
     @torch.no_grad()
     def push(self, receivers: list[int], bucket_bytes: int) -> dict[str, float]:
         """Broadcast the current weights (in the engine's dtype, LoRA merged) from the actor's
-        first rank to a rollout group on `receivers` (hflow.weight_sync); every actor rank takes
+        first rank to a rollout group on `receivers` (hflow.distributed.weight_sync); every actor rank takes
         part in the gathers. Returns the seconds it took and the bytes sent."""
         began = time.perf_counter()
         ranks = self.train_mesh.mesh.flatten().tolist()
@@ -150,7 +150,7 @@ def release_training_memory(model: torch.nn.Module, device: torch.device) -> Non
 def build_engine(config, model_path: str, dtype: torch.dtype, device: torch.device, gen_mesh: DeviceMesh,
                  cfg: RolloutConfig) -> LLM:
     """An engine with uninitialised weights for `config`, with `cfg`'s engine settings, tensor-
-    parallel over the tp dim of `gen_mesh` (hflow.reshard.generation_mesh)."""
+    parallel over the tp dim of `gen_mesh` (hflow.distributed.reshard.generation_mesh)."""
     options = {"max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
                "enable_prefix_caching": cfg.enable_prefix_caching, "gpu_memory_fraction": cfg.gpu_memory_fraction}
     if cfg.kv_cache_bytes:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hflow.parallel import device_of
+from hflow.distributed.parallel import device_of
 
 
 @dataclass

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tyro.conf import Suppress
 
 from hflow.batch import Batch
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 from hflow import layout
 from hflow.workers import packing
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow import layout
 from hflow.batch import Batch
-from hflow.parallel import device_of
+from hflow.distributed.parallel import device_of
 
 
 @dataclass

@@ -8,7 +8,7 @@
 
 Its engine stays awake between rollouts (nothing else uses these ranks) and keeps the last
 weights it received, with their policy version (the number of actor updates behind them), which
-every sample it generates records. hflow.asynchronous runs it ahead of training.
+every sample it generates records. hflow.recipe_kit.async_rollouts runs it ahead of training.
 
 Partial rollouts (`partial`): the controller also tells the group at once that a push has begun
 (offer_weights, a @dispatch("notice") call that does not wait behind the running generate);
@@ -25,11 +25,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig
 
 from hflow.batch import Batch
-from hflow.dispatch import dispatch
+from hflow.runtime.dispatch import dispatch
 from hflow.faults import fault_point
-from hflow.parallel import device_of, local_group, make_mesh
-from hflow.reshard import generation_mesh
-from hflow.weight_sync import DEFAULT_BUCKET_BYTES, Manifest, joint_ranks, receive_weights
+from hflow.distributed.parallel import device_of, local_group, make_mesh
+from hflow.distributed.reshard import generation_mesh
+from hflow.distributed.weight_sync import DEFAULT_BUCKET_BYTES, Manifest, joint_ranks, receive_weights
 from hflow.workers.fsdp import mixed_precision
 from hflow.workers.hybrid_engine import build_engine, sample_on
 from hflow.workers.rollout import RolloutConfig, prompt_token_lists, rollout_batch

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from hflow.batch import Batch
 from hflow.rewards import RewardConfig, ScoredBatch, Scorer
-from hflow.texts import prompt_texts, response_texts
+from hflow.recipe_kit.text_batches import prompt_texts, response_texts
 from hflow.validation import UserError
 from hflow.workers import RewardModel, RewardModelConfig
 

@@ -28,7 +28,7 @@ and slices it: nothing moves when the groups are single ranks (replicated weight
 default), the full tensor's worth otherwise.
 
 On CPU at tp_g = 1 with the ranks on one host, the all-gather goes through the shared memory
-FSDP2's own collectives use there (hflow.cpu_collectives), not gloo.
+FSDP2's own collectives use there (hflow.distributed.cpu_collectives), not gloo.
 
 Parameters are produced one at a time, in module order (layer by layer): the extra memory
 in flight is one tensor's generation shard plus its communication buffers.
@@ -44,8 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hflow import lora
-from hflow.cpu_collectives import HostSharedMemory, host_shared_memory
-from hflow.parallel import device_of, local_group
+from hflow.distributed.cpu_collectives import HostSharedMemory, host_shared_memory
+from hflow.distributed.parallel import device_of, local_group
 
 COLUMN_PARALLEL = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
@@ -72,7 +72,7 @@ def generation_rank_grid(ranks: Sequence[int], tp_size: int) -> list[list[int]]:
 def generation_mesh(train_mesh: DeviceMesh, tp_size: int,
                     make_mesh: Callable[[list[list[int]], tuple[str, str]], DeviceMesh] | None = None) -> DeviceMesh:
     """Build the (tp, dp) mesh over the training mesh's ranks. Creating process groups is
-    collective: `make_mesh` (e.g. hflow.parallel.make_mesh) must be called on the right ranks;
+    collective: `make_mesh` (e.g. hflow.distributed.parallel.make_mesh) must be called on the right ranks;
     the default builds the DeviceMesh directly, which every rank of the world must call.
 
     At tp = 1 the dp dim is the training mesh's own group: a second group over the same ranks
@@ -119,7 +119,7 @@ def generation_shard(param: DTensor, gen_mesh: DeviceMesh, dim: int | None,
 
 def _gathered_on_host(host: HostSharedMemory, local: torch.Tensor, k: int) -> torch.Tensor:
     """The full tensor of even shards on dim `k`, all-gathered through the shared memory of the
-    ranks' host (hflow.cpu_collectives; FSDP2's CPU set-up made it): what the redistribute
+    ranks' host (hflow.distributed.cpu_collectives; FSDP2's CPU set-up made it): what the redistribute
     below does over gloo at tp 1, in a fraction of the time."""
     parts = local.new_empty((host.world, *local.shape))
     host.all_gather(parts.view(-1), local.contiguous().view(-1))

@@ -18,14 +18,14 @@ task, `--model.path` empty) learns with a large learning rate and answers in a f
 real model given by `--model.path` wants the usual values (actor lr ~1e-6, critic ~1e-5,
 hundreds of new tokens). A recipe writes such a default as `by_model(embedded, given)`, which
 `--help` shows as both values; `hflow.launch` resolves it once the flags are parsed, so `main`
-sees plain numbers (hflow.by_model).
+sees plain numbers (hflow.model_defaults).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hflow.by_model import by_model, resolve_defaults
+from hflow.model_defaults import by_model, resolve_defaults
 from hflow.data import DataConfig
 from hflow.metrics import LoggingConfig
 from hflow.rewards import RewardConfig
@@ -50,7 +50,7 @@ class ModelConfig:
 @dataclass
 class OffPolicyConfig:
     """The --algo.* flags of every RL recipe's policy update on samples from the engine (the base
-    of each recipe's algorithm config; hflow.recipe.OldLogProbs resolves them)."""
+    of each recipe's algorithm config; hflow.recipe_kit.set_up.OldLogProbs resolves them)."""
     old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
     """Old log-probs (for a KL in the reward, an off-policy update, or the rollout correction): a forward pass of the actor (recompute), the engine's own (rollout), or auto: the engine's when the actor computes in fp32 (then they are equal; in bf16 they are not) and no correction is on. An on-policy update with neither needs none."""
     rollout_correction: Literal["auto", "none", "tis", "mis"] = "auto"

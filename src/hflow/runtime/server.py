@@ -31,19 +31,19 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import measure
-from .batch import Batch
-from .parallel import release_freed_memory
+from hflow.batch import Batch
+from hflow.distributed import byte_counters
+from hflow.distributed.parallel import release_freed_memory
 
 
-# ---- the tasks the controller sends (hflow.controller) --------------------------------------------
+# ---- the tasks the controller sends (hflow.runtime.controller) --------------------------------------------
 
 @dataclass
 class Spawn:
     """Build a group's mesh (every rank: process-group creation is collective) and, on its
     members, `worker_class(mesh, *args, **kwargs)`; other ranks get worker_class None."""
     group_id: int
-    grid: Any                    # hflow.dispatch.RankGrid
+    grid: Any                    # hflow.runtime.dispatch.RankGrid
     device_type: str
     worker_class: type | None = None
     args: tuple = ()
@@ -83,7 +83,7 @@ class Server:
         self.stopped = threading.Event()
         self.last_ping = time.monotonic()
         self.last_call = "none yet"                  # for the log line when the controller goes silent
-        self.count_comm = measure.counting_enabled()
+        self.count_comm = byte_counters.counting_enabled()
         self._thread = threading.Thread(target=self._loop, name=f"hflow-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -176,7 +176,7 @@ class Server:
             worker = self.workers.get(task.group_id)
             if worker is None:
                 raise RuntimeError(f"{task.method}: this worker group was released (group.close())")
-            with measure.process_bytes if self.count_comm else contextlib.nullcontext():
+            with byte_counters.process_bytes if self.count_comm else contextlib.nullcontext():
                 out = getattr(worker, task.method)(*task.args, **task.kwargs)
             return to_cpu(out) if task.returns else None
         if isinstance(task, Spawn):

@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 import tyro
 
+from hflow.checkpoint import output_dir_problems, prepare_output_dir
+from hflow.distributed.parallel import pick_device, set_device
+from hflow.model_defaults import resolve_defaults
+from hflow.validation import ConfigError, UserError, check_config, notices
+
 from . import stopping, transport
-from .by_model import resolve_defaults
 from .controller import Cluster, env_float
-from .parallel import pick_device, set_device
 from .server import Server, hard_exit, log
-from .checkpoint import output_dir_problems, prepare_output_dir
-from .validation import ConfigError, UserError, check_config, notices
 
 
 def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):

@@ -35,8 +35,9 @@ from typing import Any, Callable
 
 import torch
 
+from hflow.batch import Batch
+
 from . import transport
-from .batch import Batch
 from .dispatch import RankGrid, balances, gather, mode_of, scatter
 from .server import Call, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
 
@@ -151,7 +152,7 @@ class WorkerGroup:
         if mode is None:
             raise AttributeError(f"{self.worker_class.__name__}.{name} is not callable from the "
                                  f"controller: decorate it with @dispatch('all'|'dp'|'one') "
-                                 f"(from hflow.dispatch import dispatch)")
+                                 f"(from hflow.runtime.dispatch import dispatch)")
         return RemoteMethod(self, name, mode, balances(fn))
 
     def __dir__(self):

@@ -25,7 +25,7 @@ REUSED_BUFFER_BYTES = 512 * 2**20
 SLOT_BYTES = 32 * 2**20
 
 # told (op, bytes) of every collective run here, as c10d's ops are seen by a dispatch mode
-# (hflow.measure.CollectiveBytes): the bytes a rank received from the others
+# (hflow.distributed.byte_counters.CollectiveBytes): the bytes a rank received from the others
 RECEIVED_HOOKS: list[Callable[[str, int], None]] = []
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hflow import algos
-from hflow.config import OffPolicyConfig
+from hflow.recipe_kit.config import OffPolicyConfig
 
 Estimator = Literal[tuple(algos.ESTIMATORS)]   # grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline
 PolicyLoss = Literal[tuple(algos.POLICY_LOSSES)]   # ppo, gspo

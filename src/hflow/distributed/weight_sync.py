@@ -4,7 +4,7 @@
     send_weights(named_tensors, manifest, group, source)    # the actor's first rank
     llm.load_weights(receive_weights(manifest, dtype, device, group, source))   # every rollout rank
 
-The actor's ranks gather each full tensor in the engine's dtype (hflow.reshard at tp 1, LoRA
+The actor's ranks gather each full tensor in the engine's dtype (hflow.distributed.reshard at tp 1, LoRA
 merged); its first rank packs them, in manifest order, into flat buckets of at most
 `bucket_bytes` (a tensor larger than that goes alone) and broadcasts each over a process group
 that joins it to the rollout ranks (NCCL on GPUs, gloo on CPU). Both sides cut the manifest
@@ -29,7 +29,7 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 
 def weight_manifest(model: torch.nn.Module) -> Manifest:
     """(Hugging Face name, full shape) of every tensor the engine is given, in the order
-    hflow.reshard.generation_weights yields them (the LoRA adapters are merged, not sent)."""
+    hflow.distributed.reshard.generation_weights yields them (the LoRA adapters are merged, not sent)."""
     return [(name, tuple(param.shape)) for name, param in model.named_parameters() if not lora.is_adapter(name)]
 
 

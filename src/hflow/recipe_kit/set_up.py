@@ -33,16 +33,16 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from hflow import algos
-from hflow.asynchronous import ROLE as ROLLOUT_ROLE, AsyncRollouts, rollout_sets
+from hflow.recipe_kit.async_rollouts import ROLE as ROLLOUT_ROLE, AsyncRollouts, rollout_sets
 from hflow.batch import Batch
 from hflow.data import ContextRoom, PromptDataset, PromptSampler, load_prompts
 from hflow.data.tasks import task_reward_fn
 from hflow.engine import SUPPORTED_MODEL_TYPES, stop_token_ids
-from hflow.evaluation import evaluate
+from hflow.recipe_kit.evaluation import evaluate
 from hflow.placement import Placement, job_of, resolve
 from hflow.pretrained import resolve_model
-from hflow.run import Run
-from hflow.scoring import check_same_tokenizer
+from hflow.recipe_kit.run import Run
+from hflow.recipe_kit.scoring import check_same_tokenizer
 from hflow.validation import ConfigError
 from hflow.workers import check_batch_sizes, is_on_policy, rollout_log_probs_exact
 from hflow.workers.fsdp import FSDPConfig, resolve_param_dtype
@@ -73,7 +73,7 @@ class Setup:
         return dataclasses.replace(self.cfg.actor, model_path=self.model_dir)
 
     def run(self, actor, rewards, trained: dict, state: dict | None = None, evaluate_fn=None, notes: str = "") -> Run:
-        """The run's bookkeeping (hflow.run.Run): `trained` and the data position (beside
+        """The run's bookkeeping (hflow.recipe_kit.run.Run): `trained` and the data position (beside
         `state`) in every checkpoint; held-out evaluation of `actor` (greedy and sampled,
         scored by `rewards.rule`) unless `evaluate_fn` replaces it; a few of `rewards`' latest
         samples shown every --trainer.logging.samples-every steps; the final export of `actor`.
@@ -100,7 +100,7 @@ class Setup:
         return value
 
     def rollouts(self, cluster, actor) -> AsyncRollouts | None:
-        """The rollout group and the pipeline that feeds it (hflow.asynchronous) when the
+        """The rollout group and the pipeline that feeds it (hflow.recipe_kit.async_rollouts) when the
         placement has one; None when the actor generates."""
         if ROLLOUT_ROLE not in self.placement:
             return None
@@ -124,7 +124,7 @@ def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm
     placement of `sets`, the batch sizes against it), then warm up the embedded default policy
     (once, cached) unless `warm_up` is False, and train the default reward model if the run
     asks for one. `algo` names the dataflow for --trainer.placement auto. A recipe that runs
-    hflow.asynchronous says so with `asynchronous`: its placement may then hold a rollout group."""
+    hflow.recipe_kit.async_rollouts says so with `asynchronous`: its placement may then hold a rollout group."""
     model = cfg.model
     async_steps = getattr(cfg.trainer, "async_steps", 0)
     sets = rollout_sets(sets, cfg.trainer.placement, async_steps)
@@ -266,7 +266,7 @@ class OldLogProbs:
     @classmethod
     def choose(cls, cfg, device_type: str, kl_in_reward: bool) -> "OldLogProbs":
         """For a recipe's Config: its --actor.* and --data.batch-size, and --algo.old-log-probs
-        and --algo.rollout-correction* (hflow.config.OffPolicyConfig; auto and none when the
+        and --algo.rollout-correction* (hflow.recipe_kit.config.OffPolicyConfig; auto and none when the
         recipe has no such flags)."""
         algo = getattr(cfg, "algo", None)
         choice = getattr(algo, "old_log_probs", "auto")

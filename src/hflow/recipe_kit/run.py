@@ -9,7 +9,7 @@ logger, the evaluation and checkpoint cadence, the final export. Never the algor
         run.end_step(step, metrics)   # evaluates, logs and checkpoints on their cadence
     run.finish()                      # exports the final policy, closes the logger
 
-A Ctrl-C or SIGTERM (hflow.stopping) ends the run after the step in progress, with that step
+A Ctrl-C or SIGTERM (hflow.runtime.stopping) ends the run after the step in progress, with that step
 checkpointed whatever --trainer.save-every says, so that --trainer.resume continues it.
 
 `trained` are the worker groups whose models, optimizers and schedules each checkpoint holds;
@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from hflow import checkpoint, stopping
+from hflow import checkpoint
+from hflow.runtime import stopping
 from hflow.metrics import MetricsLogger
 from hflow.validation import UserError
 

@@ -16,8 +16,8 @@ from hflow.algos import pair_metrics
 from hflow.data import PromptDataset, iter_batches
 from hflow.data.preference import pair_batch
 from hflow.rewards import Scorer
-from hflow.scoring import score
-from hflow.texts import prompt_batch, response_texts
+from hflow.recipe_kit.scoring import score
+from hflow.recipe_kit.text_batches import prompt_batch, response_texts
 from hflow.workers import RolloutConfig
 
 # (prompt texts, response texts, ground truths) -> {name: value}, logged as eval/<name>

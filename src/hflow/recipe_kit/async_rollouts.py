@@ -20,7 +20,7 @@ produce one). The prompts of step s are the sampler's s-th batch and its seed th
 Resume: a checkpoint after step t holds the k generated batches of steps t + 1 .. t + k (the
 sampler is already past their prompts); the resumed run trains on them, then goes on as the
 uninterrupted run did, with the same prompts, seeds and weights. Past `last_step` nothing is
-generated or pushed (hflow.recipe passes None when a checkpoint is written at the last step,
+generated or pushed (hflow.recipe_kit.set_up passes None when a checkpoint is written at the last step,
 so that a run extended with a larger --trainer.steps goes on exactly).
 
 The push blocks the actor until the rollout group is done with the generation it is running
@@ -41,9 +41,9 @@ import time
 
 from hflow.batch import Batch
 from hflow.planner.asynchronous import ROLLOUT_ROLE as ROLE
-from hflow.texts import prompt_batch
+from hflow.recipe_kit.text_batches import prompt_batch
 from hflow.validation import ConfigError
-from hflow.weight_sync import DEFAULT_BUCKET_BYTES
+from hflow.distributed.weight_sync import DEFAULT_BUCKET_BYTES
 
 
 class AsyncRollouts:

@@ -17,7 +17,7 @@ A worker method declares its mode with a decorator:
         @dispatch("notice")      # as "all", but delivered at once, beside a call still running
         def offer(self, version): self.offered = version
 
-"notice" skips each rank's queue of calls (hflow.server runs the method on an RPC thread as soon
+"notice" skips each rank's queue of calls (hflow.runtime.server runs the method on an RPC thread as soon
 as it arrives), so a long call that is running (a rollout) can see what it records between its
 steps. Such a method must only record something: no collectives, nothing that blocks.
 
@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import torch
 
-from .batch import Batch
+from hflow.batch import Batch
 
 MODES = ("all", "dp", "one", "notice")
 _ATTR = "__hflow_dispatch__"

@@ -6,7 +6,7 @@ memory), the bytes its ops allocate, and its peak memory.
 
 Both are TorchDispatchModes: every op of the block passes through Python, so they cost time
 and are for benchmarks and tests. `HFLOW_COUNT_COMM=1` makes every rank count what all its
-worker calls receive (hflow.server); a trainable worker's `update` then reports the bytes
+worker calls receive (hflow.runtime.server); a trainable worker's `update` then reports the bytes
 this rank received since its previous report as `comm/<role>_received_MiB`.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from hflow import cpu_collectives
+from hflow.distributed import cpu_collectives
 
 
 def _group_size(boxed) -> int:
@@ -39,7 +39,7 @@ class CollectiveBytes(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
 
     def __enter__(self):
-        # the collectives of ranks on one host run as copies through shared memory (hflow.cpu_collectives)
+        # the collectives of ranks on one host run as copies through shared memory (hflow.distributed.cpu_collectives)
         cpu_collectives.RECEIVED_HOOKS.append(self._host)
         return super().__enter__()
 
@@ -94,7 +94,7 @@ def counting_enabled() -> bool:
     return os.environ.get("HFLOW_COUNT_COMM", "") not in ("", "0")
 
 
-# what every worker call of this process received, when counting_enabled() (hflow.server)
+# what every worker call of this process received, when counting_enabled() (hflow.runtime.server)
 process_bytes = CollectiveBytes()
 _reported = 0
 

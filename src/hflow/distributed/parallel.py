@@ -3,7 +3,7 @@ giving the device's freed memory back (release_freed_memory).
 
 `hflow.launch` sets the device once per rank; workers, the engine and the resharding read it
 and build their own meshes here, so nothing under workers/ or engine/ imports the controller
-(hflow.launcher).
+(hflow.runtime.launcher).
 """
 from __future__ import annotations
 
