@@ -66,7 +66,7 @@ import torch
 
 import hflow
 from hflow import algos
-from hflow.agents import AgentLimits
+from hflow.agents import BUILTIN_ENVIRONMENTS, AgentLimits, agent_rollout_metrics, environment_factory, environment_failures
 from hflow.recipe_kit.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                           TrainerConfig, by_model)
 from hflow.recipe_kit.critic_free import CriticFreeConfig, critic_free_loss, resolve_critic_free
@@ -78,8 +78,6 @@ from hflow.recipe_kit.scoring import Rewards, reward_roles, score
 from hflow.recipe_kit.text_batches import agent_prompt_batch
 from hflow.validation import ConfigError
 from hflow.workers import Actor, Reference
-from hflow.workers.agent_rollout import (BUILTIN_ENVIRONMENTS, agent_rollout_metrics, environment_factory,
-                                         environment_failures)
 
 
 @dataclass

@@ -76,8 +76,7 @@ from hflow.recipe_kit.set_up import gather, kl_to_reference, set_up, step_metric
 from hflow.recipe_kit.scoring import Rewards, reward_roles
 from hflow.recipe_kit.text_batches import prompt_batch
 from hflow.validation import ConfigError
-from hflow.workers import Actor, Reference
-from hflow.workers.base import trainable_prompts
+from hflow.workers import Actor, Reference, trainable_prompts
 
 
 @dataclass

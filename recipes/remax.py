@@ -40,8 +40,7 @@ from hflow.metrics import Timer
 from hflow.recipe_kit.set_up import gather, kl_to_reference, set_up, step_metrics
 from hflow.recipe_kit.scoring import Rewards, reward_roles
 from hflow.recipe_kit.text_batches import prompt_batch
-from hflow.workers import Actor, Reference
-from hflow.workers.rollout import split_greedy
+from hflow.workers import Actor, Reference, split_greedy
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from hflow.agents import AgentSession, TextRenderer, run_episode
 from hflow.data import TASKS, Prompt, task_splits
 from hflow.default.tool_use import tool_trajectory
-from hflow.workers.agent_rollout import BUILTIN_ENVIRONMENTS
+from hflow.agents import BUILTIN_ENVIRONMENTS
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "agent.py"
 

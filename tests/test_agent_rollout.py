@@ -20,7 +20,8 @@ from hflow.batch import Batch
 from hflow.default.model import build_default
 from hflow.engine import LLM
 from hflow.workers import packing
-from hflow.workers.agent_rollout import agent_rollout_metrics, sample_agent
+from hflow.agents import agent_rollout_metrics
+from hflow.workers.agent_rollout import sample_agent
 from hflow.workers.log_probs import token_log_probs
 from hflow.workers.rollout import RolloutConfig
 
@@ -248,7 +249,7 @@ import hflow
 from hflow.agents import AgentLimits, Environment, StepResult
 from hflow.batch import Batch
 from hflow.workers import Actor, ActorConfig, RolloutConfig
-from hflow.workers.agent_rollout import agent_rollout_metrics
+from hflow.agents import agent_rollout_metrics
 
 path, out = sys.argv[1], sys.argv[2]
 

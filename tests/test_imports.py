@@ -29,25 +29,30 @@ def modules(root: Path = SRC, top: str = "hflow") -> dict[str, tuple[Path, str]]
     return found
 
 
+def imported_modules(path: Path, package: str, mods) -> set[str]:
+    """The modules of `mods` that the source at `path` imports (anywhere in it); `package`: where
+    its relative imports start."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                where = ".".join(base + ([node.module] if node.module else []))
+            else:
+                where = node.module or ""
+            targets = [f"{where}.{a.name}" if f"{where}.{a.name}" in mods else where for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in mods}
+    return found
+
+
 def import_graph(root: Path = SRC, top: str = "hflow") -> dict[str, set[str]]:
     """module -> the package's modules it imports (anywhere in its source)."""
     mods = modules(root, top)
-    graph = {name: set() for name in mods}
-    for name, (path, package) in mods.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                    where = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    where = node.module or ""
-                targets = [f"{where}.{a.name}" if f"{where}.{a.name}" in mods else where for a in node.names]
-            else:
-                continue
-            graph[name] |= {t for t in targets if t in mods and t != name}
-    return graph
+    return {name: imported_modules(path, package, mods) - {name} for name, (path, package) in mods.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -160,3 +165,26 @@ def test_every_import_goes_down_the_layers():
             if other != unit and other_layer >= layer:
                 wrong.append(f"{module} (layer {layer}) imports {target} (layer {other_layer})")
     assert not wrong, "\n".join(wrong)
+
+
+# What a recipe may import (recipes are copied and edited by users: this is the API they build
+# on): the recipe kit, and the public face of the packages a recipe is made of, each package's
+# __init__ and the few modules named here. Never a worker's, the engine's or the runtime's
+# insides: what a recipe needs from them is exported where it belongs.
+RECIPE_SURFACE = {
+    "hflow", "hflow.batch", "hflow.layout", "hflow.metrics", "hflow.validation",
+    "hflow.algos", "hflow.agents", "hflow.rewards", "hflow.workers", "hflow.placement", "hflow.default",
+    "hflow.data", "hflow.data.preference", "hflow.data.safety",
+    "hflow.runtime.stopping", "hflow.runtime.dispatch",   # the stop request; @dispatch for a recipe's own worker
+}
+RECIPES = SRC.parent / "recipes"
+
+
+def test_recipes_import_only_the_declared_surface():
+    mods = modules()
+    wrong = []
+    for recipe in sorted(RECIPES.glob("*.py")):
+        for target in sorted(imported_modules(recipe, "", mods)):
+            if target not in RECIPE_SURFACE and not target.startswith("hflow.recipe_kit"):
+                wrong.append(f"recipes/{recipe.name} imports {target}")
+    assert not wrong, "outside the recipe surface (tests/test_imports.py RECIPE_SURFACE):\n" + "\n".join(wrong)

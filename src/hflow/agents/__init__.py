@@ -18,6 +18,8 @@ engine's prefix cache reuses the KV of everything before).
     session.py           AgentSession: one trajectory's state machine
     driver.py            run_episode (one session, a generate function), TurnRunner (many, beside an engine)
     tensors.py           trajectories -> the batch layout (hflow.layout)
+    registry.py          environments by name: BUILTIN_ENVIRONMENTS, environment_factory (--agent.env)
+    rollout_figures.py   a rollout batch's figures and failed trajectories, on the controller
 """
 import importlib
 
@@ -38,6 +40,8 @@ _EXPORTS = {
     "ToolEnvironment": "tool_environment",
     "BUILTIN_TOOLS": "tools", "Tool": "tools", "ToolInputError": "tools", "as_tool": "tools", "tool": "tools",
     "tool_schema": "tools",
+    "BUILTIN_ENVIRONMENTS": "registry", "EnvSpec": "registry", "environment_factory": "registry",
+    "agent_rollout_metrics": "rollout_figures", "environment_failures": "rollout_figures",
     "FAILURES": "trajectory", "Segment": "trajectory", "Trajectory": "trajectory", "agent_metrics": "trajectory",
 }
 __all__ = sorted(_EXPORTS)

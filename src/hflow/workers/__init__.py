@@ -3,13 +3,13 @@
 Batches follow the layout documented in hflow/layout.py.
 """
 from hflow.workers.actor import Actor, ActorConfig, Reference
-from hflow.workers.base import check_batch_sizes, is_on_policy, rollout_log_probs_exact
+from hflow.workers.base import check_batch_sizes, is_on_policy, rollout_log_probs_exact, trainable_prompts
 from hflow.workers.critic import Critic, CriticConfig
 from hflow.workers.fsdp import FSDPConfig
 from hflow.workers.optim import OptimConfig
 from hflow.workers.reward import RewardModel, RewardModelConfig
-from hflow.workers.rollout import RolloutConfig
+from hflow.workers.rollout import RolloutConfig, split_greedy
 
 __all__ = ["Actor", "ActorConfig", "Reference", "Critic", "CriticConfig", "RewardModel",
            "RewardModelConfig", "RolloutConfig", "FSDPConfig", "OptimConfig", "check_batch_sizes",
-           "is_on_policy", "rollout_log_probs_exact"]
+           "is_on_policy", "rollout_log_probs_exact", "split_greedy", "trainable_prompts"]

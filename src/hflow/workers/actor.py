@@ -215,11 +215,11 @@ class Actor(CausalLMWorker):
     @dispatch("dp")
     def sample_agent(self, rows: Batch, env, rollout: RolloutConfig, limits=None) -> Batch:
         """`rollout.n` multi-turn trajectories per row on the weights begin_rollout loaded:
-        `env` is an environment by name (agent_rollout.BUILTIN_ENVIRONMENTS), 'module:Class'
+        `env` is an environment by name (hflow.agents.BUILTIN_ENVIRONMENTS), 'module:Class'
         or a class, built on this rank for each trajectory; `limits` an agents.AgentLimits.
         Returns the layout's tensors (response_mask 1 only on the model's tokens) and per-row
         trajectory_reward, finish_reason, turns, tool calls, prefill counts (see
-        agent_rollout.sample_agent; agent_rollout_metrics turns them into figures)."""
+        agent_rollout.sample_agent; hflow.agents.agent_rollout_metrics turns them into figures)."""
         from hflow.agents import AgentLimits
         from hflow.workers import agent_rollout
         llm = self.hybrid_engine.agent_engine(rollout)

@@ -17,43 +17,21 @@ of ranks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from collections import Counter
-from typing import Callable, Optional, Union
 
 import torch
 
 from hflow.agents import (AgentLimits, AgentSession, ChatRenderer, Environment, Segment, TextRenderer,
-                          ToolEnvironment, Trajectory, TurnRunner, load_environment, trajectory_tensors)
+                          Trajectory, TurnRunner, trajectory_tensors)
+from hflow.agents.registry import EnvSpec, environment_factory
 from hflow.agents.trajectory import MAX_TOKENS
 from hflow.batch import Batch
 from hflow.engine import LLM, SamplingParams
 from hflow.workers.rollout import RolloutConfig, group_max
 
-EnvSpec = Union[str, Callable[[], Environment]]
-
-# picklable factories by name: what `--agent.env calculator` style flags can say. Each takes
-# reward_fn=, the rule that scores the final answer (a turn with no call); none: reward 0.
-BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
-    "calculator": functools.partial(ToolEnvironment, ("calculator",), format="tags"),
-    "calculator_hermes": functools.partial(ToolEnvironment, ("calculator",), format="hermes"),
-    # the same task with the tool switched off: a call goes unanswered, the turn is the final answer
-    "no_tools": functools.partial(ToolEnvironment, (), format="tags"),
-}
-
 # columns a prompts Batch carries that are the prompt itself, not a row's data
 _PROMPT_COLUMNS = ("prompt", "prompt_ids", "input_ids", "attention_mask")
-
-
-def environment_factory(spec: EnvSpec) -> Callable[[], Environment]:
-    """A built-in name, 'module:Class' / 'path/file.py:Class', or a class / picklable factory."""
-    if isinstance(spec, str):
-        return BUILTIN_ENVIRONMENTS[spec] if spec in BUILTIN_ENVIRONMENTS else load_environment(spec)
-    if callable(spec):
-        return spec
-    raise TypeError(f"an environment spec is a name ({', '.join(BUILTIN_ENVIRONMENTS)}), 'module:Class' or a "
-                    f"class, not {type(spec).__name__}")
 
 
 def pick_renderer(tokenizer, env: Environment, prompt=None):
@@ -200,37 +178,3 @@ def sample_agent(llm: LLM, rows: Batch, env: EnvSpec, rollout: RolloutConfig, li
     if len(carried.keys()):
         out = carried.repeat(rollout.n, interleave=True) | out
     return out
-
-
-def environment_failures(batch: Batch) -> list[Optional[str]]:
-    """Per trajectory, None or why its environment reward is 0 for want of a working environment:
-    the failure that ended it (`finish reason: error`), or the reward function failing on its
-    final answer. A trajectory that ran out of turns or tokens did not fail: its 0 is the policy's."""
-    return [f"{reason}: {error}" if failed else
-            "the reward function failed on its final answer" if errors else None
-            for reason, error, failed, errors in zip(batch["finish_reason"], batch["agent_error"],
-                                                     batch["failed"].tolist(), batch["reward_errors"].tolist())]
-
-
-def agent_rollout_metrics(batch: Batch, prefix: str = "agent/") -> dict[str, float]:
-    """A rollout's figures from its columns (so on the controller, over every rank's rows):
-    turns, model vs observation tokens, tool calls, failures, how trajectories ended, and the
-    share of turn prompts the prefix cache supplied."""
-    n = len(batch)
-    real = batch["attention_mask"][:, -batch["response_mask"].shape[1]:].float()
-    model = batch["response_mask"].float().sum(1)
-    metrics = {
-        f"{prefix}turns": batch["turns"].float().mean().item(),
-        f"{prefix}model_tokens": model.mean().item(),
-        f"{prefix}observation_tokens": (real.sum(1) - model).mean().item(),
-        f"{prefix}tool_calls": batch["tool_calls"].float().mean().item(),
-        f"{prefix}bad_tool_calls": batch["bad_tool_calls"].float().mean().item(),
-        f"{prefix}failed": batch["failed"].float().mean().item(),
-        f"{prefix}trajectory_reward": batch["trajectory_reward"].mean().item(),
-    }
-    total = int(batch["prompt_tokens"].sum())
-    if total and "prefill_tokens" in batch:
-        metrics[f"{prefix}prefill_reused_fraction"] = 1.0 - int(batch["prefill_tokens"].sum()) / total
-    for reason, k in sorted(Counter(r or "unfinished" for r in batch["finish_reason"]).items()):
-        metrics[f"{prefix}finish/{reason}"] = k / n
-    return metrics

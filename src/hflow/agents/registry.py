@@ -1,0 +1,30 @@
+"""Environments by name: what `--agent.env` can say (a built-in, 'module:Class' or
+'path/file.py:Class') and the picklable factory each names, for the actor ranks to build from."""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Union
+
+from hflow.agents.environment import Environment, load_environment
+from hflow.agents.tool_environment import ToolEnvironment
+
+EnvSpec = Union[str, Callable[[], Environment]]
+
+# picklable factories by name: what `--agent.env calculator` style flags can say. Each takes
+# reward_fn=, the rule that scores the final answer (a turn with no call); none: reward 0.
+BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
+    "calculator": functools.partial(ToolEnvironment, ("calculator",), format="tags"),
+    "calculator_hermes": functools.partial(ToolEnvironment, ("calculator",), format="hermes"),
+    # the same task with the tool switched off: a call goes unanswered, the turn is the final answer
+    "no_tools": functools.partial(ToolEnvironment, (), format="tags"),
+}
+
+
+def environment_factory(spec: EnvSpec) -> Callable[[], Environment]:
+    """A built-in name, 'module:Class' / 'path/file.py:Class', or a class / picklable factory."""
+    if isinstance(spec, str):
+        return BUILTIN_ENVIRONMENTS[spec] if spec in BUILTIN_ENVIRONMENTS else load_environment(spec)
+    if callable(spec):
+        return spec
+    raise TypeError(f"an environment spec is a name ({', '.join(BUILTIN_ENVIRONMENTS)}), 'module:Class' or a "
+                    f"class, not {type(spec).__name__}")
