@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 import hflow
+from hflow import layout
 from hflow.runtime import stopping
 from hflow.recipe_kit.config import ModelConfig, OptimConfig
 from hflow.data import PromptSampler
@@ -112,7 +113,7 @@ def main(cluster: hflow.Cluster, cfg: Config):
     if not cfg.model.path:   # a judge that knows more than the policy it will judge (cached warm-up)
         path = default_policy(cluster, size, seed, DEFAULT_JUDGES[kind].backbone_accuracy)
     rm = cluster.spawn(RewardModel, dataclasses.replace(cfg.rm, model_path=str(path), trainable=True))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = layout.pad_id(tokenizer)
     sampler = PromptSampler(train, cfg.data.batch_size, shuffle=True, seed=cfg.data.seed)
     loss_fn = functools.partial(pair_loss, cost=cfg.cost, center_coef=cfg.center_coef)
     logger = MetricsLogger(cfg.output_dir, cfg.logging, cfg.steps)

@@ -110,3 +110,15 @@ def test_to_clone_and_pickle_without_per_row_tensors():
     assert isinstance(state["cols"]["ids"], torch.Tensor)
     back = pickle.loads(pickle.dumps(b))
     assert torch.equal(back["ids"], b["ids"]) and back["text"] == b["text"] and back.meta == b.meta
+
+
+def test_padding_holds_the_pad_token_else_the_eos_else_0():
+    """One convention for what padding holds, asked of a tokenizer or a model config alike."""
+    from types import SimpleNamespace as NS
+    from hflow.layout import pad_id
+    assert pad_id(NS(pad_token_id=5, eos_token_id=2)) == 5
+    assert pad_id(NS(pad_token_id=0, eos_token_id=2)) == 0          # 0 is a pad id, not "none"
+    assert pad_id(NS(pad_token_id=None, eos_token_id=2)) == 2
+    assert pad_id(NS(pad_token_id=None, eos_token_id=[7, 8])) == 7  # generation configs list several
+    assert pad_id(NS(pad_token_id=None, eos_token_id=None)) == 0
+    assert pad_id(NS()) == 0

@@ -27,6 +27,18 @@ import torch.nn.functional as F
 from hflow.batch import Batch
 
 
+def pad_id(tokenizer_or_config) -> int:
+    """The id that fills a row's padding: the pad token, else the EOS (the first of several),
+    else 0. A tokenizer and a model config answer alike; the value never reaches a loss or a
+    forward (the masks decide), it is only the one convention for what padding holds."""
+    pad = getattr(tokenizer_or_config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer_or_config, "eos_token_id", None)
+        if isinstance(pad, (list, tuple)):
+            pad = pad[0] if pad else None
+    return 0 if pad is None else int(pad)
+
+
 def prompt_length(tensors) -> int:
     return tensors["input_ids"].shape[1] - tensors["response_mask"].shape[1]
 

@@ -24,6 +24,7 @@ from hflow.agents import Segment, TextRenderer, Trajectory, trajectory_tensors
 from hflow.agents.builtin_tools import calculator
 from hflow.agents.tools import as_tool
 from hflow.algos import nll_loss
+from hflow import layout
 from hflow.batch import Batch
 from hflow.data import PromptSampler
 from hflow.default.cache import build_once
@@ -77,7 +78,7 @@ def teach_the_tool(cluster, policy_dir: str, train, tokenizer, tool_rate: float,
         print(f"teaching the warmed-up default its calculator: {steps} steps in which {tool_rate:.0%} of products "
               f"call it (once; cached in {final})", flush=True)
         renderer = TextRenderer(tokenizer)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = layout.pad_id(tokenizer)
         sampler = PromptSampler(train, batch_size, shuffle=True, seed=1)
         generator = torch.Generator().manual_seed(0)
         bar = progress(total=steps, desc="tool sft")

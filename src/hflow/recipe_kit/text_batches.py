@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+from hflow import layout
 from hflow.batch import Batch
 from hflow.data import Prompt
 from hflow.layout import sequence_tensors
@@ -46,5 +47,5 @@ def supervised_batch(prompts: list[Prompt], tokenizer) -> Batch:
     Actor trains on."""
     targets = [tokenizer.encode(str(p.ground_truth), add_special_tokens=False) + [tokenizer.eos_token_id]
                for p in prompts]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = layout.pad_id(tokenizer)
     return Batch(sequence_tensors([p.prompt_ids for p in prompts], targets, pad), meta={"n": 1})

@@ -179,7 +179,7 @@ class Actor(CausalLMWorker):
         token_lists = prompt_token_lists(prompts)
         outputs = self.hybrid_engine.sample(token_lists, rollout, with_greedy)
         config = self.model.config
-        pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        pad_id = layout.pad_id(config)
         return rollout_batch(prompts, token_lists, outputs, rollout.n, pad_id, self.mesh, rollout.temperature,
                              with_greedy)
 
@@ -227,7 +227,7 @@ class Actor(CausalLMWorker):
             from transformers import AutoTokenizer
             self._agent_tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
         config = self.model.config
-        pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        pad_id = layout.pad_id(config)
         # dispatch cuts the rows into equal contiguous shards in dp order: this shard's first global row
         offset = self.mesh.get_local_rank("dp") * len(rows) if "dp" in (self.mesh.mesh_dim_names or ()) else 0
         return agent_rollout.sample_agent(llm, rows, env, rollout, limits or AgentLimits(), self._agent_tokenizer,

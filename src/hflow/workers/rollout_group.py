@@ -24,6 +24,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig
 
+from hflow import layout
 from hflow.batch import Batch
 from hflow.runtime.dispatch import dispatch
 from hflow.faults import fault_point
@@ -108,7 +109,7 @@ class Rollout:
         outputs = sample_on(self.llm, self.gen_mesh, token_lists, rollout, False,
                             show=rollout.progress and self.mesh.get_local_rank() == 0,
                             between_steps=self._take_offered if self.partial else None)
-        pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        pad_id = layout.pad_id(self.config)
         batch = rollout_batch(prompts, token_lists, outputs, rollout.n, pad_id, self.mesh, rollout.temperature)
         batch["policy_version"] = torch.full((len(batch),), first_version, dtype=torch.long)
         if self.partial:   # each load between steps is the next version, from that token on
