@@ -3,7 +3,7 @@
 The oracle is the template itself: a trajectory's ids must be what the template renders for the
 same conversation, and each observation what it puts after an assistant turn's <|im_end|>."""
 from hflow.agents import AgentLimits, AgentSession, ChatRenderer, Environment, StepResult, ToolEnvironment
-from hflow.agents.driver import run_episode
+from hflow.agents.turns import run_episode
 
 
 class ScriptedModel:

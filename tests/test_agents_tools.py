@@ -1,5 +1,8 @@
 """Tools: the calculator, schemas, the two call formats, the process runner and its faults, the
 python tool in the code sandbox, and environments loaded by name."""
+import multiprocessing as mp
+import os
+import signal
 import sys
 import threading
 import time
@@ -50,6 +53,15 @@ def picky(x: int) -> str:
     if x % 2:
         raise ToolInputError(f"{x} is odd")
     return x // 2
+
+
+def die(code: int) -> str:
+    """Ends its process, as a segfault in C would.
+
+    Args:
+        code: The exit code.
+    """
+    os._exit(code)
 
 
 def move(x: int, y: int, fast: bool = False) -> dict:
@@ -182,18 +194,36 @@ def _local_tool():
     return local
 
 
-def test_hanging_tools_time_out_side_by_side(runner):
-    outcomes, start = [], time.monotonic()
-    calls = [threading.Thread(target=lambda: outcomes.append(runner.call(as_tool(nap), {"seconds": 60}, 1.5)))
+def _two_at_once(runner, fn, arguments, timeout_s) -> list[ToolOutcome]:
+    outcomes = []
+    calls = [threading.Thread(target=lambda: outcomes.append(runner.call(as_tool(fn), arguments, timeout_s)))
              for _ in range(2)]
     for t in calls:
         t.start()
     for t in calls:
         t.join()
+    return outcomes
+
+
+def test_hanging_tools_time_out_side_by_side(runner):
+    start = time.monotonic()
+    outcomes = _two_at_once(runner, nap, {"seconds": 60}, 1.5)
     elapsed = time.monotonic() - start
     assert [o.status for o in outcomes] == ["timeout", "timeout"] and "timeout after 1.5s" in outcomes[0].text
     assert 1.5 <= elapsed < 2.9   # each within its timeout (+ margin), and not one after the other
     assert runner.call(as_tool(nap), {"seconds": 0}, 30.0).text == "slept 0"   # killed workers are replaced
+
+
+def test_a_worker_that_dies_is_replaced_and_none_is_left_behind(runner):
+    assert runner.call(as_tool(die), {"code": 3}, 30.0) == ToolOutcome("error", "die: worker died (exit code 3)")
+    assert runner.call(as_tool(nap), {"seconds": 0}, 30.0).text == "slept 0"   # in a fresh worker
+    idle = next(w.process for w in runner._free if w.process is not None)
+    os.kill(idle.pid, signal.SIGKILL)   # dies while idle: the next call that gets it starts a fresh one
+    idle.join(timeout=30)
+    outcomes = _two_at_once(runner, nap, {"seconds": 0.2}, 30.0)
+    assert [o.text for o in outcomes] == ["slept 0.2", "slept 0.2"]
+    workers = [p for p in mp.active_children() if p.name == "hflow-tool-worker"]
+    assert len(workers) <= runner.max_workers and all(p.is_alive() for p in workers)
 
 
 def test_python_runs_in_the_code_sandbox(runner):

@@ -12,11 +12,11 @@ engine's prefix cache reuses the KV of everything before).
     tools.py             Tool, as_tool (a function's JSON schema), ToolInputError
     formats.py           tool calls in the model's text: hermes (<tool_call>{json}), tags (<calc>..</calc>)
     builtin_tools.py     calculator (ast, no eval), python (hflow's code sandbox)
-    runner.py            ToolRunner: tool calls in reward worker processes, each under a timeout
+    tool_calls.py        ToolRunner: tool calls in worker processes of their own, each under a timeout
     tool_environment.py  ToolEnvironment: tools until a final answer, scored by an hflow reward function
     limits.py            AgentLimits: turns, tokens, observation size, timeouts
     session.py           AgentSession: one trajectory's state machine
-    driver.py            run_episode (one session, a generate function), TurnRunner (many, beside an engine)
+    turns.py             run_episode (one session, a generate function), TurnRunner (many, beside an engine)
     tensors.py           trajectories -> the batch layout (hflow.layout)
     registry.py          environments by name: BUILTIN_ENVIRONMENTS, environment_factory (--agent.env)
     rollout_figures.py   a rollout batch's figures and failed trajectories, on the controller
@@ -24,7 +24,7 @@ engine's prefix cache reuses the KV of everything before).
 import importlib
 
 # public name -> the module that defines it; imported on first use, so that a tool worker process
-# (which imports hflow.agents.runner) does not pay for torch and transformers
+# (which imports hflow.agents.tool_calls) does not pay for torch and transformers
 _EXPORTS = {
     "AgentFailure": "environment", "Environment": "environment", "StepResult": "environment",
     "load_environment": "environment",
@@ -33,9 +33,9 @@ _EXPORTS = {
     "AgentLimits": "limits",
     "ChatRenderer": "render", "ObservationError": "render", "Renderer": "render", "TemplateError": "render",
     "TextRenderer": "render", "TRUNCATION_MARKER": "render",
-    "ToolOutcome": "runner", "ToolRunner": "runner", "shared_runner": "runner",
+    "ToolOutcome": "tool_calls", "ToolRunner": "tool_calls", "shared_runner": "tool_calls",
     "AgentSession": "session", "EnvReply": "session",
-    "TurnRunner": "driver", "run_episode": "driver",
+    "TurnRunner": "turns", "run_episode": "turns",
     "trajectory_rewards": "tensors", "trajectory_tensors": "tensors",
     "ToolEnvironment": "tool_environment",
     "BUILTIN_TOOLS": "tools", "Tool": "tools", "ToolInputError": "tools", "as_tool": "tools", "tool": "tools",

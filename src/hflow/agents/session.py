@@ -10,7 +10,7 @@
 Each turn's request is the whole stream so far, so an engine with prefix caching pays only for
 the new tokens. `on_model_turn` runs the environment's step on a thread under
 `limits.step_timeout_s`; a loop with many sessions in flight splits it in two (`begin_turn` on
-its own thread of control, the step wherever it likes, `end_turn` back on it: driver.TurnRunner
+its own thread of control, the step wherever it likes, `end_turn` back on it: turns.TurnRunner
 does that), so the tokenizer is only ever used from the caller's thread.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from hflow.agents.environment import AgentFailure, Environment, StepResult
 from hflow.agents.formats import BadCall, ToolCall, get_format
-from hflow.agents.runner import ToolRunner, shared_runner
+from hflow.agents.tool_calls import ToolRunner, shared_runner
 from hflow.agents.tools import Tool, as_tool
 from hflow.agents.trajectory import BAD_TOOL_CALL, TOOL_ERROR, TOOL_TIMEOUT
 from hflow.rewards import get_reward_fn, score_batch
