@@ -11,7 +11,7 @@ from hflow.engine.__main__ import default_dtype
 FROZEN = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from hflow.workers.fsdp import FSDPConfig, reshard, storage_dtype
+from hflow.workers.fsdp import FSDPConfig, free_gathered_params, storage_dtype
 from hflow.workers.hf_model import build_model
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
@@ -31,7 +31,7 @@ from test_fsdp import random_rollouts
 inputs = pack(random_rollouts(2, 2, 101, seed=1)).model_inputs()
 with torch.no_grad():
     a, b = frozen(**inputs).logits, trained(**inputs).logits
-reshard(frozen), reshard(trained)
+free_gathered_params(frozen), free_gathered_params(trained)
 assert a.dtype == b.dtype == torch.bfloat16
 assert torch.equal(a, b), (a - b).abs().max()
 frozen_bytes = sum(p.to_local().nbytes for p in frozen.parameters())

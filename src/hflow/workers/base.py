@@ -29,7 +29,7 @@ from hflow.runtime.dispatch import dispatch
 from hflow import layout
 from hflow.distributed.parallel import device_of
 from hflow.workers import micro_batches
-from hflow.workers.fsdp import FSDPConfig, check_shard_size, mixed_precision, reshard
+from hflow.workers.fsdp import FSDPConfig, check_shard_size, free_gathered_params, mixed_precision
 from hflow.workers.optim import OptimConfig, all_reduce_sum, apply_optim_config, build_optimizer, clip_grad_norm_
 
 
@@ -179,7 +179,7 @@ class ModelWorker:
                     out[key][rows, :r] = value * mask[rows, :r]
                 else:
                     out[key][rows] = value
-        reshard(self.model)
+        free_gathered_params(self.model)
         return out
 
     # ---- training --------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def reshard(model: nn.Module) -> None:
+def free_gathered_params(model: nn.Module) -> None:
     """Free every gathered parameter: with reshard_after_forward off, a forward without a
     backward leaves them gathered, and the engine and the optimizer must see the shards."""
     for module in model.modules():
