@@ -70,9 +70,9 @@ from hflow.agents import BUILTIN_ENVIRONMENTS, AgentLimits, agent_rollout_metric
 from hflow.recipe_kit.config import (ActorConfig, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                           TrainerConfig, by_model)
 from hflow.recipe_kit.critic_free import CriticFreeConfig, critic_free_loss, resolve_critic_free
-from hflow.data import iter_batches
 from hflow.default import EMBEDDED, tool_calling_policy
 from hflow.metrics import Timer
+from hflow.recipe_kit.evaluation import evaluate
 from hflow.recipe_kit.set_up import gather, kl_to_reference, set_up, step_metrics
 from hflow.recipe_kit.scoring import Rewards, reward_roles, score
 from hflow.recipe_kit.text_batches import agent_prompt_batch
@@ -172,31 +172,20 @@ def trajectory_scores(batch, rewards: Rewards, cfg: Config) -> tuple[torch.Tenso
     return env + text, metrics | {"reward/mean": (env + text).mean().item()}
 
 
-def evaluate_with_tools(actor, dataset, tokenizer, rule, cfg: Config, limits: AgentLimits,
-                        batch_size: int = 512) -> dict[str, float]:
-    """Greedy trajectories (temperature 0, one per prompt) on the first --trainer.eval-size
-    held-out prompts: eval/reward_mean (the score as --agent.reward defines it, the text scored by
-    the rule alone) and the trajectories' figures as eval/agent/*."""
-    size = cfg.trainer.eval_size
-    if dataset is None or size <= 0:
-        return {}
-    greedy = dataclasses.replace(cfg.rollout, n=1, temperature=0.0, progress=False)
-    totals, seen = {}, 0
-    for rows in iter_batches(dataset, batch_size):
-        rows = rows[:size - seen]
-        batch = actor.generate_agent(agent_prompt_batch(rows), environment(cfg), greedy, limits)
+def held_out_trajectories(actor, tokenizer, rule, cfg: Config, limits: AgentLimits):
+    """How held-out evaluation responds (hflow.recipe_kit.evaluation.Respond): one trajectory
+    per prompt, scored as --agent.reward defines it (the text by the rule alone). The batch's
+    total is its float32 mean score times its rows, as the trajectories' figures (eval/agent/*)
+    are weighted: eval/reward_mean to the last digit as this recipe has always logged it."""
+    def respond(rows, rollout):
+        batch = actor.generate_agent(agent_prompt_batch(rows), environment(cfg), rollout, limits)
         scores = torch.zeros(len(batch))
         if cfg.agent.reward != "fn":
             scores += batch["trajectory_reward"]
         if cfg.agent.reward != "env":
             scores += score(batch, tokenizer, rule)[0]
-        figures = {"eval/reward_mean": scores.mean().item(), **agent_rollout_metrics(batch, prefix="eval/agent/")}
-        for key, value in figures.items():   # weighted by rows: the last batch may be short
-            totals[key] = totals.get(key, 0.0) + value * len(batch)
-        seen += len(batch)
-        if seen >= size:
-            break
-    return {key: total / seen for key, total in totals.items()}
+        return batch, scores.mean().item() * len(batch)
+    return respond
 
 
 def main(cluster: hflow.Cluster, cfg: Config):
@@ -213,9 +202,12 @@ def main(cluster: hflow.Cluster, cfg: Config):
     rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
-    # held-out evaluation runs the tools too: a single-turn answer would not show what was learned
-    evaluate = functools.partial(evaluate_with_tools, actor, setup.val, setup.tokenizer, rewards.rule, cfg, limits)
-    run = setup.run(actor, rewards, trained={"actor": actor}, evaluate_fn=evaluate)
+    # held-out evaluation runs the tools too, greedily: a single-turn answer would not show what was learned
+    evaluate_fn = functools.partial(
+        evaluate, actor, setup.val, setup.tokenizer, rewards.rule, cfg.rollout, cfg.trainer.eval_size, sampled=False,
+        respond=held_out_trajectories(actor, setup.tokenizer, rewards.rule, cfg, limits),
+        batch_figures=functools.partial(agent_rollout_metrics, prefix="eval/agent/"))
+    run = setup.run(actor, rewards, trained={"actor": actor}, evaluate_fn=evaluate_fn)
     old = setup.old_log_probs(kl_in_reward=ref is not None and algo.kl_in_reward)
     loss_fn = functools.partial(critic_free_loss, algo=algo, correction=old.correction)
     estimator = algos.estimator(algo.estimator)

@@ -207,3 +207,26 @@ def test_known_scores_are_kept_as_the_rules_are(tmp_path, capsys):
     assert "warning" not in capsys.readouterr().out   # every score failed: that is the message
     rewards.close()
     alike.close()
+
+
+def test_held_out_evaluation_takes_how_to_respond_and_averages_each_batchs_figures_over_the_prompts():
+    """hflow.recipe_kit.evaluation.evaluate with the agent recipe's seams: `respond` makes and
+    scores the responses (greedy, one per prompt), `batch_figures` are averaged over the prompts,
+    a short last batch weighing by its rows."""
+    from hflow.batch import Batch
+    from hflow.data.loading import PromptDataset
+    from hflow.recipe_kit.evaluation import evaluate
+    from hflow.workers import RolloutConfig
+
+    val = PromptDataset(prompt_ids=[[i] for i in range(10)], prompts=[str(i) for i in range(10)],
+                        ground_truths=[None] * 10, extras=[{}] * 10)
+    temperatures = []
+
+    def respond(rows, cfg):   # scores the prompt's number; a batch's figure is its size
+        temperatures.append((cfg.n, cfg.temperature))
+        return Batch({"size": [len(rows)] * len(rows)}), sum(float(p.prompt) for p in rows)
+
+    metrics = evaluate(None, val, None, None, RolloutConfig(n=8, temperature=1.0), size=7, batch_size=3,
+                       sampled=False, respond=respond, batch_figures=lambda b: {"eval/agent/size": b["size"][0]})
+    assert temperatures == [(1, 0.0)] * 3   # batches of 3, 3 and 1, greedy
+    assert metrics == {"eval/reward_mean": sum(range(7)) / 7, "eval/agent/size": (3 * 3 + 3 * 3 + 1 * 1) / 7}
