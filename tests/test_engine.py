@@ -706,7 +706,7 @@ def test_kv_blocks_for_memory():
 
 
 def test_default_kv_budget_on_cpu_and_on_a_gpu(saved):
-    import hflow.engine.llm as llm_module
+    import hflow.engine.config as engine_config
 
     path, _ = saved["llama"]
     if DEVICE.type == "cpu":  # 2 layers x 2 KV heads x 16 x fp32 x 2 (K, V) x 16 tokens = 8 KiB a block
@@ -716,11 +716,11 @@ def test_default_kv_budget_on_cpu_and_on_a_gpu(saved):
     # more sequences than fit: the fraction decides
     llm = LLM.from_pretrained(path, device=DEVICE, max_num_seqs=2 * 10**6, gpu_memory_fraction=0.3)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
-    total, used = llm_module.device_memory(DEVICE)
+    total, used = engine_config.device_memory(DEVICE)
     used -= llm.runner.kv_cache.nbytes + llm.runner.workspace.nbytes   # what the engine's cache took
     per_block = 8192 + 8192 // 2
-    headroom = llm_module.step_activation_bytes(llm.hf_config, 8192, 2 * 10**6, 4)
-    expected = llm_module.kv_blocks_for_memory(total, used, 0.3, per_block, headroom)
+    headroom = engine_config.step_activation_bytes(llm.hf_config, 8192, 2 * 10**6, 4)
+    expected = engine_config.kv_blocks_for_memory(total, used, 0.3, per_block, headroom)
     blocks = llm.block_manager.num_blocks
     print(f"{blocks} KV blocks on {DEVICE} (expected {expected}; {total / 2**30:.1f} GiB, {used / 2**30:.2f} used)")
     assert abs(blocks - expected) <= 0.01 * expected
@@ -731,13 +731,13 @@ def test_kv_budget_is_measured_at_each_allocation(saved, monkeypatch):
     """On a GPU the cache is sized from the memory in use when it is allocated: after a sleep,
     a process that holds more (the optimizer state after the first update) gets fewer blocks.
     Simulated on CPU with a fake device_memory."""
-    import hflow.engine.llm as llm_module
+    import hflow.engine.kv_budget as kv_budget
 
     path, _ = saved["qwen2"]
     llm = LLM.from_pretrained(path, device=DEVICE)
     gib, used = 1 << 30, [10 << 30]
-    monkeypatch.setattr(llm_module, "device_memory", lambda device: (80 * gib, used[0]))
-    monkeypatch.setattr(llm_module, "step_activation_bytes", lambda *a: 0)
+    monkeypatch.setattr(kv_budget, "device_memory", lambda device: (80 * gib, used[0]))
+    monkeypatch.setattr(kv_budget, "step_activation_bytes", lambda *a: 0)
     llm._size_from_memory = True
     prompts, params = prompts_of([5, 20]), SamplingParams(temperature=0, max_tokens=8)
     expected = _tokens(llm.generate(prompts, params))

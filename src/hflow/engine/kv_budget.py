@@ -24,11 +24,9 @@ def sized_from_memory(model: CausalLM, cfg: EngineConfig) -> bool:
     return cfg.num_kv_blocks is None and cfg.kv_cache_bytes is None and model.embed_tokens.weight.device.type != "cpu"
 
 
-def num_kv_blocks(model: CausalLM, cfg: EngineConfig, max_model_len: int, from_memory: bool, *,
-                  memory=device_memory, activation_bytes=step_activation_bytes) -> int:
-    """The KV blocks of `model`'s cache. `from_memory`: measure the device (sized_from_memory);
-    `memory` and `activation_bytes` are the measurements (config.device_memory and
-    config.step_activation_bytes; a test fakes them). Collective over model.tp when measured."""
+def num_kv_blocks(model: CausalLM, cfg: EngineConfig, max_model_len: int, from_memory: bool) -> int:
+    """The KV blocks of `model`'s cache. `from_memory`: measure the device (sized_from_memory).
+    Collective over model.tp when measured."""
     per_block = ModelRunner.bytes_per_block(model, cfg.block_size)
     wanted = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
     if cfg.num_kv_blocks is not None:
@@ -39,9 +37,9 @@ def num_kv_blocks(model: CausalLM, cfg: EngineConfig, max_model_len: int, from_m
         num_blocks = min(wanted, DEFAULT_KV_CACHE_BYTES // per_block)
     else:
         device = model.embed_tokens.weight.device
-        total, used = memory(device)
+        total, used = device_memory(device)
         elem = model.embed_tokens.weight.element_size()
-        headroom = activation_bytes(model.config, cfg.max_num_batched_tokens, cfg.max_num_seqs, elem)
+        headroom = step_activation_bytes(model.config, cfg.max_num_batched_tokens, cfg.max_num_seqs, elem)
         # a step's gathers reuse a workspace of up to one layer's blocks (attention.py)
         per_block_used = per_block + per_block // len(model.layers)
         num_blocks = min(wanted, kv_blocks_for_memory(total, used, cfg.gpu_memory_fraction, per_block_used, headroom))

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from hflow.engine.block_manager import BlockManager
-from hflow.engine.config import EngineConfig, device_memory, step_activation_bytes
+from hflow.engine.config import EngineConfig
 from hflow.engine.kv_budget import num_kv_blocks, sized_from_memory, worth_resizing
 from hflow.engine.loader import load_model, safetensors_weights, saved_tokenizer, stop_token_ids
 from hflow.engine.model_runner import ModelRunner
@@ -97,9 +97,7 @@ class LLM:
         return llm
 
     def _num_kv_blocks(self) -> int:
-        # the measurements are this module's names, looked up at each call: tests fake them here
-        return num_kv_blocks(self.model, self.engine_config, self.max_model_len, self._size_from_memory,
-                             memory=device_memory, activation_bytes=step_activation_bytes)
+        return num_kv_blocks(self.model, self.engine_config, self.max_model_len, self._size_from_memory)
 
     def _make_cache(self, num_blocks: int) -> None:
         """The block manager, scheduler and model runner of a cache of `num_blocks` blocks (the
