@@ -84,13 +84,10 @@ class ReusedBuffers:
             return buffer.view(shape)
         return buffer
 
-
-    def release(self) -> int:
+    def release(self) -> None:
         """Stop keeping the buffers nothing else holds (between updates, when generation would
-        have their memory); returns the bytes let go. The next update allocates them again."""
-        freed = [b for b in self.kept if _unshared(b)]
+        have their memory). The next update allocates them again."""
         self.kept = [b for b in self.kept if not _unshared(b)]
-        return sum(b.nbytes for b in freed)
 
 
 def _unshared(buffer: torch.Tensor) -> bool:

@@ -57,7 +57,7 @@ class Run:
         self.export, self.samples = export, samples
         self.evaluations: list[dict] = []   # every evaluation's metrics, for the final line
         self.began = time.monotonic()
-        self.root = Path(trainer.output_dir) / "checkpoints"
+        self.root = Path(trainer.output_dir) / checkpoint.dirs.CHECKPOINTS
         self.start_step, resumed = 0, False
         if trainer.resume and (extra := checkpoint.resume_run(self.root, trained)):
             resumed = True
