@@ -237,7 +237,7 @@ def test_python_runs_in_the_code_sandbox(runner):
 
 def test_python_tool_reports_errors_limits_and_long_output(monkeypatch):
     from hflow.agents import builtin_tools
-    from hflow.rewards.code import SandboxLimits
+    from hflow.sandbox import SandboxLimits
 
     fn = builtin_tools.python
     failing = fn("def f():\n    return 1 / 0\nf()")

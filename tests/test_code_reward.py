@@ -8,10 +8,11 @@ import time
 import pytest
 
 from hflow.rewards import get_reward_fn, score_batch
-from hflow.rewards.code import code_score, extract_code, parse_tests, run_tests
-from hflow.rewards.code.checker import ProbeFailed, Untrusted, check
-from hflow.rewards.code.child import encode
-from hflow.rewards.code.probes import decode, plan
+from hflow.rewards.code import code_score, extract_code, parse_tests
+from hflow.sandbox import run_tests
+from hflow.sandbox.checker import ProbeFailed, Untrusted, check
+from hflow.sandbox.child import encode
+from hflow.sandbox.probes import decode, plan
 from test_code_sandbox import HONEST, sandbox_processes
 
 

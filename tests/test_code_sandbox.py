@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 
-from hflow.rewards.code import uids as sandbox_uids
-from hflow.rewards.code import (SANDBOX_SLOTS, SANDBOX_UID_BASE, SandboxLimits, code_score,
-                                run_tests, sandbox_isolation)
+from hflow.rewards.code import code_score
+from hflow.sandbox import SANDBOX_SLOTS, SANDBOX_UID_BASE, SandboxLimits, run_tests, sandbox_isolation
+from hflow.sandbox import uids as sandbox_uids
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTACKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attacks")
@@ -176,7 +176,7 @@ def test_a_program_that_prints_result_lines_cannot_forge_them():
 def test_a_program_whose_parent_dies_ends_at_its_own_alarm():
     # The reward pool kills a worker that overruns --reward.timeout, before its wall-time kill.
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hflow-sandbox-*")))
-    parent = subprocess.Popen([sys.executable, "-c", "from hflow.rewards.code import SandboxLimits, run_tests\n"
+    parent = subprocess.Popen([sys.executable, "-c", "from hflow.sandbox import SandboxLimits, run_tests\n"
                                "run_tests('import time\\ntime.sleep(1000)', ['pass'], SandboxLimits(wall_seconds=3))"])
     try:
         deadline = time.monotonic() + 60
@@ -195,7 +195,7 @@ def test_a_program_whose_parent_dies_ends_at_its_own_alarm():
 
 
 def test_preloading_is_decided_by_what_others_may_read():
-    from hflow.rewards.code.child import others_can_read
+    from hflow.sandbox.child import others_can_read
     outer = tempfile.mkdtemp()
     try:
         inner = os.path.join(outer, "lib")
@@ -338,7 +338,7 @@ def test_the_seccomp_filter_refuses_exec_sockets_processes_and_namespaces(kernel
     # Run here (the sandbox uid may not reach the socket module): the filter alone, and threads still start.
     outcomes = run_python("""
         import os, socket, threading
-        from hflow.rewards.code import isolation
+        from hflow.sandbox import isolation
         isolation.seccomp(refuse_processes=True)
         outcomes = {}
         for what, step in [("socket", socket.socket), ("exec", lambda: os.execv("/bin/true", ["true"])),
@@ -363,7 +363,7 @@ def test_landlock_confines_writes_reads_and_tcp_to_the_working_directory(kernel_
     try:
         outcomes = run_python(f"""
             import os, socket, sys
-            from hflow.rewards.code import isolation
+            from hflow.sandbox import isolation
             isolation.landlock({workdir!r}, sorted({{os.path.realpath(p) for p in sys.path if p}}), ["/dev/null"])
             outcomes = {{}}
             for what, step in [("write inside", lambda: open(os.path.join({workdir!r}, "kept"), "w").close()),

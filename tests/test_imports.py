@@ -125,8 +125,9 @@ def test_the_library_does_not_import_the_embedded_default():
 # package or loose module gets a layer here and a line there.
 LAYERS = {
     # 0: foundations, importing nothing of hflow: the Batch, flag checks, metric logging, fault
-    # injection, defaults that depend on the model, LoRA
-    "batch": 0, "validation": 0, "metrics": 0, "faults": 0, "model_defaults": 0, "lora": 0,
+    # injection, defaults that depend on the model, LoRA; the code sandbox (rewards and agents run
+    # programs in it)
+    "batch": 0, "validation": 0, "metrics": 0, "faults": 0, "model_defaults": 0, "lora": 0, "sandbox": 0,
     # 1: meshes, collectives, resharding and weight pushes (of hflow: LoRA); a model from a
     # directory, a .gguf, the Hub or PyPI wheels; the batch layout
     "distributed": 1, "pretrained": 1, "layout": 1,

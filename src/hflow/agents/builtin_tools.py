@@ -1,5 +1,5 @@
 """The built-in tools: ``calculator`` (arithmetic read from the syntax tree, never eval'd) and
-``python`` (a program run in hflow's code sandbox, hflow.rewards.code)."""
+``python`` (a program run in hflow's code sandbox, hflow.sandbox)."""
 from __future__ import annotations
 
 import ast
@@ -140,7 +140,7 @@ def python(code: str) -> str:
     Args:
         code: The program. Only the standard library is available; no network, no files outside its own folder, a few seconds of time.
     """
-    from hflow.rewards.code import SandboxLimits, run_tests
+    from hflow.sandbox import SandboxLimits, run_tests
 
     global _PYTHON_LIMITS
     if _PYTHON_LIMITS is None:

@@ -12,7 +12,7 @@ Built in (``get_reward_fn(name)``):
 - ``math``: the last ``\\boxed{}``, normalised, compared as strings then with sympy.
 - ``countdown``: an ``<answer>`` equation using the given numbers once each, reaching the target.
 - ``code``: the fraction of the ground truth's tests (asserts) that the response's Python passes,
-  run in a sandbox (``hflow.rewards.code``).
+  run in the code sandbox (``hflow.rewards.code``, on ``hflow.sandbox``).
 
 A user's own function is named ``"package.module:function"``. Scoring a batch runs it in worker
 processes with a per-item timeout (``score_batch``); a function that raises or hangs scores 0 and

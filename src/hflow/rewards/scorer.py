@@ -4,9 +4,10 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from hflow.rewards.code import code_score, sandbox_isolation
+from hflow.rewards.code import code_score
 from hflow.rewards.pool import RewardPool, ScoredBatch, score_batch
 from hflow.rewards.registry import get_reward_fn
+from hflow.sandbox import sandbox_isolation
 
 DEFAULT_RULE = "arithmetic"   # the built-in task's checker: what an empty --reward.fn means
 

@@ -1,4 +1,4 @@
-"""The code reward's tests, checked where the solution cannot reach them (``hflow.rewards.code``
+"""A sandboxed program's tests, checked where the solution cannot reach them (``hflow.sandbox``
 gives the trust model).
 
 A test is split into *probes*, the sub-expressions that call into the solution (``f(2)`` in
@@ -27,8 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hflow.rewards.code.checker import (BUILTINS, COMPREHENSIONS, EVALUATED, MAX_INT_BITS, MODULES, RECORDS,
-                                         ProbeFailed, ProbeValue, Untrusted, imports)
+from hflow.sandbox.checker import (BUILTINS, COMPREHENSIONS, EVALUATED, MAX_INT_BITS, MODULES, RECORDS,
+                                   ProbeFailed, ProbeValue, Untrusted, imports)
 
 MAX_DEPTH = 64              # nesting of a decoded value
 MAX_VALUE_NODES = 1 << 17   # items of one decoded value

@@ -2,7 +2,7 @@
 ctypes by ``child.py`` (the sandbox's trusted start-up code) before the solution runs.
 
 Each function either takes effect or raises OSError (the kernel lacks the feature, or forbids
-it here); the caller carries on without that layer and says so (``hflow.rewards.code`` describes
+it here); the caller carries on without that layer and says so (``hflow.sandbox`` describes
 the boundary they make). Imported by the child as a top-level module, so standard library only,
 no relative imports. x86-64 and arm64 (seccomp needs the syscall numbers of the architecture).
 """

@@ -1,5 +1,5 @@
-"""The interpreter that checks the code reward's tests here, on the values the sandboxed
-program sent back (``probes`` splits a test; ``hflow.rewards.code`` gives the trust model).
+"""The interpreter that checks a sandboxed program's tests here, on the values the program
+sent back (``probes`` splits a test; ``hflow.sandbox`` gives the trust model).
 
 It evaluates a test's syntax tree, with each probe replaced by its value: the names it knows are
 the built-ins below and ``math``/``cmath`` (their numeric functions), attributes are read only

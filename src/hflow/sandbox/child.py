@@ -1,6 +1,6 @@
 """The program the code sandbox runs: ``python -I -S -B`` loading this module (and
 ``isolation``) from the parent's bytecode and calling ``main()``, in a fresh temporary
-directory, started by ``hflow.rewards.code.run_tests`` (whose docstring describes the sandbox).
+directory, started by ``hflow.sandbox.run_tests`` (whose package docstring describes the sandbox).
 Standard library only, no relative imports; after the uid drop it imports nothing but what the
 solution imports.
 
@@ -51,7 +51,7 @@ READABLE_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 # Besides the standard library: what the dynamic loader and the time functions read (Landlock)
 SYSTEM_READS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache",
                 "/etc/localtime", "/usr/share/zoneinfo")
-MAX_VALUE_NODES = 1 << 17   # as hflow.rewards.code.probes decodes
+MAX_VALUE_NODES = 1 << 17   # as hflow.sandbox.probes decodes
 MAX_VALUE_DEPTH = 64
 _DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
 
@@ -86,7 +86,7 @@ def drop_privileges(uid: int) -> None:
 
 def install_audit_hook(workdir: str, max_files_written: int) -> None:
     """Refuse process creation, signals, sockets, ctypes, writes outside ``workdir`` and reads
-    outside it and the standard library. Defence in depth only: see hflow.rewards.code."""
+    outside it and the standard library. Defence in depth only: see hflow.sandbox."""
     realpath = os.path.realpath
     fsdecode = os.fsdecode
     read_roots = tuple({realpath(p) for p in sys.path if p}) + (workdir,)
@@ -212,7 +212,7 @@ def main() -> None:
 
 def _import_isolation():
     try:
-        import isolation  # loaded by the parent's bootstrap (hflow.rewards.code.sandbox._CHILD)
+        import isolation  # loaded by the parent's bootstrap (hflow.sandbox.run._CHILD)
         return isolation
     except ImportError as e:  # an interpreter built without ctypes
         return _NoKernelLayers(f"no ctypes: {e}")

@@ -1,26 +1,25 @@
-"""Code reward (``--reward.fn code``): run a generated Python solution against tests, in a sandbox.
+"""The code sandbox: an untrusted Python program run in a fresh interpreter the kernel isolates,
+then checked against tests where the program cannot reach them.
 
-Layout. The ground truth (the ``--data.answer-key`` column) holds the tests: a list of Python
-statements (MBPP's ``test_list``: ``--data.answer-key test_list``) or one string with one
-statement per line (the built-in ``--data.task code``), typically ``assert f(2) == 4``. The
-response is the solution: its last ```` ```python ```` block (or ```` ```py ````, or an unlabelled
-fence; an unclosed one runs to the end), or the whole text when it has no fence.
+Used by the code reward (``hflow.rewards.code``, ``--reward.fn code``: a generated solution
+against a row's asserts) and by the agents' ``python`` tool (``hflow.agents.builtin_tools``: a
+program with no tests, whose output comes back). ``run_tests(source, tests, limits)`` runs
+``source``, then checks each test (a Python statement, typically ``assert f(2) == 4``), and
+returns a ``RunResult``: per test whether it passed, the program's error if the tests did not all
+run, whether a time limit stopped it, the layers that were in place.
 
-Score: the fraction of the tests that pass, 0 when the solution itself raises, exits or hits a
-limit before its tests (partial credit is the denser signal; ``all_passed`` is the strict rate).
-A test is checked outside the solution's process (``probes``): it is split into *probes*,
+Tests. A test is checked outside the solution's process (``probes``): it is split into *probes*,
 the parts that call into the solution (``f(2)`` in ``assert f(2) == 4``, arguments included),
 which the sandboxed program evaluates after the solution and sends back as plain data (None,
 bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset, range; an iterator as
 its items; anything else fails the test), and the rest (the comparison, ``abs(x - 1.5) < 1e-9``,
 ``set(x) == {1, 2}``, ``math.isclose(...)``), which this process evaluates on those values with a
-small interpreter of Python's syntax tree. A test that cannot be split so (a loop, a ``def``, a
-call into the solution on a value the test computed, a construct the interpreter lacks) is not
-run and fails; the ``untrusted_tests`` metric is their fraction of the row's tests. Other
-metrics: ``all_passed``, ``timed_out`` (wall or CPU limit). Unlike in the solution's namespace,
-the tests' built-ins and ``math``/``cmath`` always mean those (no import needed, no shadowing),
-and probes are evaluated in order even where the test short-circuits (a failed one counts only
-if its value is used).
+small interpreter of Python's syntax tree (``checker``). A test that cannot be split so (a loop, a
+``def``, a call into the solution on a value the test computed, a construct the interpreter
+lacks) is not run and fails (``RunResult.untrusted``). Unlike in the solution's namespace, the
+tests' built-ins and ``math``/``cmath`` always mean those (no import needed, no shadowing), and
+probes are evaluated in order even where the test short-circuits (a failed one counts only if its
+value is used).
 
 Trust. The parent trusts nothing the solution's process can write. The expected values never
 enter that process (it gets only the probes; unless a test hands one to the solution's code, as
@@ -68,7 +67,7 @@ PYTHON* variables, no site-packages, no bytecode written: the standard library o
 
 A layer the kernel lacks or forbids (no unprivileged user namespaces, a kernel before Landlock,
 another architecture for seccomp) is left out and the others hold; ``sandbox_isolation()`` says
-which are in place, and the scorer prints it at start-up.
+which are in place, and the code reward's scorer prints it at start-up.
 
 What it still is not: the kernel is shared, so a kernel bug reachable through the syscalls left
 open (files in the working directory, memory, threads, futexes, pipes) is an escape; there is no
@@ -80,19 +79,17 @@ the trainer is not root, as the trainer's own user, who may read the trainer's m
 is the stronger one. And the parent's own part of a test runs in the reward worker on values the
 solution chose: bounded by size limits and a step budget, and for what they miss (``sum(f(x),
 [])`` on a long list) by the reward pool's timeout. Linux only (/proc, RLIMIT_NPROC as Linux
-counts it); tests/test_code_reward.py holds the attacks (tests/attacks) each layer must stop.
+counts it); tests/test_code_sandbox.py holds the attacks (tests/attacks) each layer must stop.
 
-    code_score      the reward function (sandbox.py)
-    run_tests       one program against its tests (sandbox.py: processes, limits, the report)
+    run_tests       one program against its tests (run.py: processes, limits, the report)
     probes.py       a test split into the solution's probes and the rest; the program's report read
     checker.py      the rest of a test evaluated here on the probes' values
     child.py        the program the sandbox runs (supervisor, init, program)
     isolation.py    namespaces, Landlock, seccomp-BPF through ctypes
     uids.py         a uid per sandboxed program when the trainer is root
 """
-from hflow.rewards.code.sandbox import (LAYERS, RunResult, SandboxLimits, code_score, extract_code, parse_tests,
-                                       run_tests, sandbox_isolation)
-from hflow.rewards.code.uids import SANDBOX_SLOTS, SANDBOX_UID_BASE
+from hflow.sandbox.run import LAYERS, RunResult, SandboxLimits, run_tests, sandbox_isolation
+from hflow.sandbox.uids import SANDBOX_SLOTS, SANDBOX_UID_BASE
 
-__all__ = ["LAYERS", "RunResult", "SandboxLimits", "code_score", "extract_code", "parse_tests", "run_tests",
-           "sandbox_isolation", "SANDBOX_SLOTS", "SANDBOX_UID_BASE"]
+__all__ = ["LAYERS", "RunResult", "SandboxLimits", "run_tests", "sandbox_isolation", "SANDBOX_SLOTS",
+           "SANDBOX_UID_BASE"]

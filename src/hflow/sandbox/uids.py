@@ -1,4 +1,4 @@
-"""A uid per sandboxed program, when the trainer runs as root (``hflow.rewards.code`` says why):
+"""A uid per sandboxed program, when the trainer runs as root (``hflow.sandbox`` says why):
 one of 64 unprivileged uids from 1879048192 (a range systemd's UID notes leave unused), claimed
 with a file lock, and every process of it killed once the program is done."""
 import contextlib
@@ -8,7 +8,7 @@ import os
 import signal
 import stat
 
-logger = logging.getLogger("hflow.rewards")
+logger = logging.getLogger("hflow.sandbox")
 
 SANDBOX_UID_BASE = 1_879_048_192
 SANDBOX_SLOTS = 64  # programs sandboxed at once on a machine, one uid each

@@ -1,5 +1,5 @@
-"""One program against its tests in the sandbox (``run_tests``) and the code reward on top of it
-(``code_score``); the package docstring describes the boundary and the trust model."""
+"""One program against its tests in the sandbox (``run_tests``); the package docstring describes
+the boundary and the trust model."""
 import contextlib
 import functools
 import json
@@ -7,7 +7,6 @@ import logging
 import marshal
 import math
 import os
-import re
 import select
 import shutil
 import signal
@@ -18,11 +17,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
-from hflow.rewards.code.checker import Untrusted, check
-from hflow.rewards.code.probes import plan, read_report
-from hflow.rewards.code.uids import sandbox_uid
+from hflow.sandbox.checker import Untrusted, check
+from hflow.sandbox.probes import plan, read_report
+from hflow.sandbox.uids import sandbox_uid
 
-logger = logging.getLogger("hflow.rewards")
+logger = logging.getLogger("hflow.sandbox")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The program loads isolation.py and child.py from bytecode this process compiled once
@@ -44,7 +43,6 @@ sys.modules["child"].main()
 """]
 LAYERS = ("namespaces", "landlock", "seccomp", "audit_hook")  # what ``run_tests(without=...)`` may leave out
 _MAX_RESULT_BYTES = 1 << 20
-_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -83,35 +81,6 @@ class RunResult:
     """Per test, whether it could not be split into probes and the rest (then it failed, unrun)."""
     isolation: str = ""
     """The layers that were in place (``sandbox_isolation``)."""
-
-
-def extract_code(response: str) -> str:
-    """The last fenced code block of ``response`` (python, py or unlabelled), else the whole text."""
-    blocks = _FENCE.findall(response)
-    return blocks[-1] if blocks else response
-
-
-def parse_tests(ground_truth) -> list[str]:
-    """The tests of a row: a list of statements, or a string with one statement per line."""
-    if isinstance(ground_truth, str):
-        tests = [line for line in ground_truth.splitlines() if line.strip()]
-    elif isinstance(ground_truth, (list, tuple)) and all(isinstance(t, str) for t in ground_truth):
-        tests = [t for t in ground_truth if t.strip()]
-    else:
-        raise ValueError(f"code reward: the ground truth must hold the tests, a list of statements or "
-                         f"a string with one per line (--data.answer-key); got {type(ground_truth).__name__}")
-    if not tests:
-        raise ValueError("code reward: a row has no tests (its --data.answer-key value is empty)")
-    return tests
-
-
-def code_score(response: str, ground_truth, **extra) -> dict:
-    """Fraction of the tests (``ground_truth``) that pass after the response's code ran."""
-    tests = parse_tests(ground_truth)
-    result = run_tests(extract_code(response), tests)
-    passed = sum(result.passed)
-    return {"score": passed / len(tests), "all_passed": float(passed == len(tests)),
-            "timed_out": float(result.timed_out), "untrusted_tests": sum(result.untrusted) / len(tests)}
 
 
 _isolation: Optional[str] = None
