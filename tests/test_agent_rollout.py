@@ -23,7 +23,7 @@ from hflow.workers import packing
 from hflow.agents import agent_rollout_metrics
 from hflow.workers.agent_rollout import sample_agent
 from hflow.workers.log_probs import token_log_probs
-from hflow.workers.rollout import RolloutConfig
+from hflow.workers.rollout_batches import RolloutConfig
 
 EOS = 2
 

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 import hflow
 from hflow.batch import Batch
 from hflow.workers import Actor, ActorConfig, RolloutConfig
-from hflow.workers.rollout import split_greedy
+from hflow.workers.rollout_batches import split_greedy
 
 path, tps = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
 N, MAX_TOKENS = 3, 6

@@ -8,7 +8,7 @@ from hflow.workers.critic import Critic, CriticConfig
 from hflow.workers.fsdp import FSDPConfig
 from hflow.workers.optim import OptimConfig
 from hflow.workers.reward import RewardModel, RewardModelConfig
-from hflow.workers.rollout import RolloutConfig, split_greedy
+from hflow.workers.rollout_batches import RolloutConfig, split_greedy
 
 __all__ = ["Actor", "ActorConfig", "Reference", "Critic", "CriticConfig", "RewardModel",
            "RewardModelConfig", "RolloutConfig", "FSDPConfig", "OptimConfig", "check_batch_sizes",

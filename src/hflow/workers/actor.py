@@ -42,7 +42,7 @@ from hflow.workers.micro_batches import packed_row_tokens
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta, is_on_policy
 from hflow.workers.hf_model import build_model
 from hflow.workers.hybrid_engine import HybridEngine
-from hflow.workers.rollout import RolloutConfig, prompt_token_lists, rollout_batch
+from hflow.workers.rollout_batches import RolloutConfig, prompt_token_lists, rollout_batch
 
 
 @dataclass

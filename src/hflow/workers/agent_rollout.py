@@ -28,7 +28,7 @@ from hflow.agents.registry import EnvSpec, environment_factory
 from hflow.agents.trajectory import MAX_TOKENS
 from hflow.batch import Batch
 from hflow.engine import LLM, SamplingParams
-from hflow.workers.rollout import RolloutConfig, group_max
+from hflow.workers.rollout_batches import RolloutConfig, group_max
 
 # columns a prompts Batch carries that are the prompt itself, not a row's data
 _PROMPT_COLUMNS = ("prompt", "prompt_ids", "input_ids", "attention_mask")

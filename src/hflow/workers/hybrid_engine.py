@@ -35,7 +35,7 @@ from hflow.distributed.parallel import device_of, local_group, make_mesh, releas
 from hflow.distributed.reshard import generation_mesh, generation_weights
 from hflow.distributed.weight_sync import joint_ranks, send_weights, weight_manifest
 from hflow.workers.fsdp import mixed_precision
-from hflow.workers.rollout import RolloutConfig
+from hflow.workers.rollout_batches import RolloutConfig
 
 
 class HybridEngine:

@@ -33,7 +33,7 @@ from hflow.distributed.reshard import generation_mesh
 from hflow.distributed.weight_sync import DEFAULT_BUCKET_BYTES, Manifest, joint_ranks, receive_weights
 from hflow.workers.fsdp import mixed_precision
 from hflow.workers.hybrid_engine import build_engine, sample_on
-from hflow.workers.rollout import RolloutConfig, prompt_token_lists, rollout_batch
+from hflow.workers.rollout_batches import RolloutConfig, prompt_token_lists, rollout_batch
 
 
 class Rollout:
