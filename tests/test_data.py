@@ -181,6 +181,28 @@ def test_errors_name_the_flag_to_fix(tmp_path, tokenizer):
     assert issubclass(DataError, UserError)   # the run ends with the message alone, no traceback
 
 
+def test_a_nan_answer_is_a_data_error_naming_the_file_row_and_column(tmp_path, tokenizer):
+    # a hole in an int column: pandas writes NaN (json.dumps too), and Arrow reads the column as
+    # floats, so the NaN would reach the scorer as a ground truth and the 12 as 12.0
+    rows = [{"question": "q1", "answer": 12}, {"question": "q2", "answer": float("nan")}]
+    jsonl, parquet = write_jsonl(tmp_path / "holes.jsonl", rows), write_parquet(tmp_path / "holes.parquet", rows)
+    nested = write_jsonl(tmp_path / "nested.jsonl", [{"question": "q", "reward_model": {"ground_truth": 12}},
+                                                     {"question": "q", "reward_model": {"ground_truth": float("nan")}}])
+    for path, key in ((jsonl, "answer"), (parquet, "answer"), (nested, "reward_model.ground_truth")):
+        with pytest.raises(DataError) as e:
+            load_prompts(DataConfig(train_files=[path], prompt_key="question", answer_key=key), tokenizer)
+        assert str(e.value) == (f"--data.answer-key: row 2 of {path!r} has NaN in its {key!r} value "
+                                "(a missing answer?): fill it in or drop the row")
+    # a countdown-style answer holds its NaN inside
+    inside = write_jsonl(tmp_path / "inside.jsonl", [{"question": "q", "answer": {"target": float("nan"), "numbers": [1]}}])
+    with pytest.raises(DataError, match="row 1 of .* has NaN in its 'answer' value"):
+        load_prompts(DataConfig(train_files=[inside], prompt_key="question"), tokenizer)
+    # without the hole, ints stay ints
+    whole = write_jsonl(tmp_path / "whole.jsonl", rows[:1] + [{"question": "q2", "answer": 7}])
+    answers = load_prompts(DataConfig(train_files=[whole], prompt_key="question"), tokenizer).ground_truths
+    assert answers == [12, 7] and all(type(a) is int for a in answers)
+
+
 def test_prompts_without_answers(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello world"}])
     ds = load_prompts(DataConfig(train_files=[path], answer_key=""), tokenizer)

@@ -100,6 +100,17 @@ def test_math_score_on_responses():
     assert math_score(r"\boxed{\frac{1}{2", "0.5")["score"] == 0.0  # cut off inside the box
 
 
+def test_math_nan_equals_nothing_and_integral_floats_still_match():
+    # NaN is not equal to itself: a NaN ground truth (a hole in the data) or a boxed "nan" scores 0
+    assert math_score(r"\boxed{nan}", float("nan"))["score"] == 0.0
+    assert math_score(r"\boxed{NaN}", "nan")["score"] == 0.0
+    assert math_score(r"\boxed{12}", float("nan"))["score"] == 0.0
+    assert not is_equiv("nan", "nan") and not is_equiv(r"\mathrm{NaN}", "NaN")
+    # an int column read as floats (12.0) still matches a boxed 12, and the other way round
+    assert math_score(r"\boxed{12}", 12.0)["score"] == 1.0
+    assert math_score(r"\boxed{12.0}", 12)["score"] == 1.0
+
+
 def test_math_rejects_hostile_and_huge_answers_fast(tmp_path):
     marker = tmp_path / "pwned"
     t = time.perf_counter()

@@ -10,6 +10,7 @@ is tokenised as the tokenizer does by default (e.g. with a BOS token for Llama).
 """
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -126,6 +127,19 @@ def _nested(row_value, path: Sequence[str], what: str):
     return row_value
 
 
+def _holds_nan(value) -> bool:
+    """Whether a ground truth is or holds a float NaN: how pandas (and json.dumps) write a missing
+    value, which Arrow reads as a number, turning the column's ints into floats. It is a hole in
+    the data, not an answer to score against."""
+    if isinstance(value, float):
+        return math.isnan(value)
+    if isinstance(value, dict):
+        return any(map(_holds_nan, value.values()))
+    if isinstance(value, (list, tuple)):
+        return any(map(_holds_nan, value))
+    return False
+
+
 def read_rows(files: Sequence[str], prompt_key: str, answer_key: str, files_flag: str) -> list[dict]:
     """Rows ``{"prompt", "answer", "extra", "source"}`` from every file, in file order."""
     rows = []
@@ -163,6 +177,9 @@ def _rows_of(path: str, prompt_key: str, answer_key: str, files_flag: str) -> li
             answer = None
         if answer is None and answer_key:
             raise DataError(f"{flag('answer_key')}: row {i + 1} of {path!r} has no {answer_key!r} value")
+        if _holds_nan(answer):
+            raise DataError(f"{flag('answer_key')}: row {i + 1} of {path!r} has NaN in its {answer_key!r} value "
+                            "(a missing answer?): fill it in or drop the row")
         rows.append({"prompt": prompts[i], "answer": answer,
                      "extra": {c: other_values[c][i] for c in others}, "source": f"row {i + 1} of {path!r}"})
     return rows

@@ -228,6 +228,8 @@ def _split_top_level(s: str) -> tuple[str, list[str], str]:
 
 def is_equiv(prediction: str, ground_truth: str) -> bool:
     a, b = normalize_answer(prediction), normalize_answer(ground_truth)
+    if a.lower() == "nan" or b.lower() == "nan":
+        return False  # NaN equals nothing, itself included: a float NaN ground truth is a hole in the data
     if a == b:
         return True
     (oa, pa, ca), (ob, pb, cb) = _split_top_level(a), _split_top_level(b)
