@@ -1,4 +1,4 @@
-"""Asynchronous RL (hflow.recipe_kit.async_rollouts, hflow.distributed.weight_sync, workers/rollout_group.py): weights
+"""Asynchronous RL (hflow.recipe_kit.async_rollouts, hflow.distributed.weight_sync, workers/rollout.py): weights
 pushed to a rollout group bit for bit, the staleness bound and the versions recorded, resume
 equal to a run that never stopped, faults, and the flags that are refused."""
 import re

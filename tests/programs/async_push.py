@@ -11,7 +11,7 @@ import hflow
 from hflow.batch import Batch
 from hflow.runtime.dispatch import dispatch
 from hflow.workers import Actor, ActorConfig, FSDPConfig, OptimConfig, RolloutConfig
-from hflow.workers.rollout_group import Rollout
+from hflow.workers.rollout import Rollout
 
 def pg_loss(logp, mb, entropy=None):
     mask = mb["response_mask"]

@@ -46,7 +46,7 @@ from hflow.recipe_kit.scoring import check_same_tokenizer
 from hflow.validation import ConfigError
 from hflow.workers import check_batch_sizes, is_on_policy, rollout_log_probs_exact
 from hflow.workers.fsdp import FSDPConfig, resolve_param_dtype
-from hflow.workers.rollout_group import Rollout
+from hflow.workers.rollout import Rollout
 
 # the roles trained by a config group other than --actor.*
 CRITIC_ROLES = ("critic", "cost_critic")

@@ -196,7 +196,7 @@ class Actor(CausalLMWorker):
 
     @dispatch("all")
     def push_weights(self, receivers: list[int], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
-        """Broadcast the current weights to a rollout group (workers/rollout_group.py) on the
+        """Broadcast the current weights to a rollout group (workers/rollout.py) on the
         ranks `receivers`, whose receive_weights must be issued with it; bucket by bucket from
         this group's first rank. Returns push_s and push_bytes."""
         return self.hybrid_engine.push(list(receivers), bucket_bytes)
