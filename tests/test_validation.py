@@ -180,3 +180,50 @@ def test_train_files_without_val_files_get_a_notice(tmp_path):
     cfg = replaced(CONFIGS["grpo"], ("data", "train_files"), [str(data_file)])
     assert any("no held-out evaluation" in line for line in notices(cfg))
     assert notices(CONFIGS["grpo"]) == []
+
+
+def test_a_broken_or_wrong_shape_config_json_is_a_config_error_naming_the_file(tmp_path):
+    """Every reader of a model directory's config.json (and generation_config.json): json's own
+    error names no file, and a list or a missing key failed later as a TypeError or KeyError."""
+    from types import SimpleNamespace
+
+    from hflow.engine import stop_token_ids
+    from hflow.planner.models import model_shape
+    from hflow.recipe_kit.set_up import check_policy_dir, context_room
+    rollout = SimpleNamespace(max_model_len=0, max_tokens=16)
+    readers = {"check_policy_dir": check_policy_dir, "context_room": lambda p: context_room(p, rollout),
+               "model_shape": lambda p: model_shape(str(p)), "stop_token_ids": lambda p: stop_token_ids(str(p))}
+
+    def error_of(read, path) -> str:
+        with pytest.raises(ConfigError) as e:
+            read(path)
+        return str(e.value)
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama",\n "hidden_size": 64\n "vocab_size": 8}\n')
+    wrong_shape = tmp_path / "list"
+    wrong_shape.mkdir()
+    (wrong_shape / "config.json").write_text('[{"model_type": "llama"}]\n')
+    for name, read in readers.items():
+        message = error_of(read, broken)
+        assert f"{broken / 'config.json'} is not JSON: Expecting ',' delimiter at line 3 column 2" in message, name
+        assert f"{wrong_shape / 'config.json'} holds a JSON array, not an object" in error_of(read, wrong_shape), name
+    assert error_of(check_policy_dir, broken).startswith(f"--model.path {broken}: ")   # the flag to look at
+
+    # a key a reader needs, missing: the file and the key (and the flag that stands in for it)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text('{"model_type": "llama"}\n')
+    message = error_of(readers["context_room"], bare)
+    assert f"{bare / 'config.json'} has no max_position_embeddings" in message and "--rollout.max-model-len" in message
+    assert f"{bare / 'config.json'}: not a decoder config the planner can read (no num_hidden_layers)" in \
+        error_of(readers["model_shape"], bare)
+    (bare / "generation_config.json").write_text('{"eos_token_id": 2,}')
+    assert f"{bare / 'generation_config.json'} is not JSON" in error_of(readers["stop_token_ids"], bare)
+    (bare / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": true}\n')
+    assert "has max_position_embeddings True, not a positive integer" in error_of(readers["context_room"], bare)
+    (bare / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 64, "eos_token_id": 2}\n')
+    (bare / "generation_config.json").unlink()
+    check_policy_dir(bare)
+    assert context_room(bare, rollout).tokens == 64 - 16 and stop_token_ids(str(bare)) == [2]

@@ -3,6 +3,7 @@ one line with its fix.
 
     check_config(cfg, output_dir_problems(cfg.trainer))   # raises ConfigError listing every bad flag
     prepare_output_dir(cfg.trainer)   # the run's directory: clear an earlier run, or resume it
+    read_json_object(path, "--model.path m")   # a model's config.json, or a ConfigError naming the file
 
 The output directory's two live with the checkpoints (checkpoint.dirs). `hflow.launch` calls
 them (when it is given the Config class, it parses the flags itself, on rank 0 only), so a
@@ -16,6 +17,7 @@ the same table as long as it reuses the usual names (clip_low, gamma, kl_coef, .
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -175,3 +177,22 @@ def notices(cfg) -> list[str]:
         found.append("--data.train-files without --data.val-files: no held-out evaluation (no eval/* "
                      "metrics); pass --data.val-files to evaluate")
     return found
+
+
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def read_json_object(path, where: str = "") -> dict:
+    """The object a JSON file holds (a model's config.json), or a ConfigError that names the file
+    and what is wrong with it, after `where` (the flag that led there): json's own error names
+    neither, and a list read as a config fails later, far from the file."""
+    prefix = f"{where}: " if where else ""
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{prefix}{path} is not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{prefix}{path} is not JSON: not UTF-8 text") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{prefix}{path} holds a JSON {_JSON_TYPES[type(value)]}, not an object {{...}} of settings")
+    return value

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from hflow.engine.models.layers import TPInfo
 from hflow.engine.models.llama import CausalLM
+from hflow.validation import read_json_object
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -90,8 +91,7 @@ def stop_token_ids(model_path: str) -> list[int]:
         path = os.path.join(model_path, name)
         if not os.path.exists(path):
             continue
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
+        eos = read_json_object(path).get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
     return []

@@ -11,9 +11,10 @@ writes whole sequences (prompt + response); `Workload` says how many and how lon
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
+
+from hflow.validation import ConfigError, read_json_object
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,7 @@ def model_shape(size_or_config: str) -> ModelShape:
     if not os.path.isfile(path):
         raise ValueError(f"model size {size_or_config!r}: give one of {', '.join(LLAMA)} or the path "
                          f"of a Hugging Face config.json (or of its directory)")
-    with open(path) as f:
-        config = json.load(f)
+    config = read_json_object(path)
     config = config.get("text_config", config)
     try:
         return ModelShape(
@@ -80,7 +80,7 @@ def model_shape(size_or_config: str) -> ModelShape:
             vocab=config["vocab_size"], head_dim=config.get("head_dim") or 0,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)))
     except KeyError as e:
-        raise ValueError(f"{path}: not a decoder config the planner can read (no {e.args[0]})") from None
+        raise ConfigError(f"{path}: not a decoder config the planner can read (no {e.args[0]})") from None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,7 @@ from hflow.placement import Placement, job_of, resolve
 from hflow.pretrained import resolve_model
 from hflow.recipe_kit.run import Run
 from hflow.recipe_kit.scoring import check_same_tokenizer
-from hflow.validation import ConfigError
+from hflow.validation import ConfigError, read_json_object
 from hflow.workers import check_batch_sizes, is_on_policy, rollout_log_probs_exact
 from hflow.workers.fsdp import FSDPConfig, resolve_param_dtype
 from hflow.workers.rollout import Rollout
@@ -200,7 +199,7 @@ def check_policy_dir(path) -> None:
     config = Path(path) / "config.json"
     if not config.exists():
         raise FileNotFoundError(f"--model.path {path}: not a Hugging Face model directory (no config.json)")
-    model_type = json.loads(config.read_text()).get("model_type")
+    model_type = read_json_object(config, f"--model.path {path}").get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"--model.path {path}: model_type {model_type!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -209,13 +208,24 @@ def check_policy_dir(path) -> None:
 def context_room(path, rollout) -> ContextRoom:
     """How long a prompt may be so that it and a response of --rollout.max-tokens fit the
     engine's context (--rollout.max-model-len, else the model's max_position_embeddings)."""
-    context = rollout.max_model_len or json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"]
+    context = rollout.max_model_len or max_position_embeddings(path)
     room = ContextRoom(context - rollout.max_tokens, f"the model's context of {context} tokens less "
                                                      f"--rollout.max-tokens {rollout.max_tokens}")
     if room.tokens < 1:
         raise ConfigError(f"--rollout.max-tokens {rollout.max_tokens} leaves no room for a prompt in the model's "
                           f"context of {context} tokens (--rollout.max-model-len, else max_position_embeddings)")
     return room
+
+
+def max_position_embeddings(path) -> int:
+    """The model's context, from its config.json."""
+    config = Path(path) / "config.json"
+    context = read_json_object(config, f"--model.path {path}").get("max_position_embeddings")
+    if isinstance(context, int) and not isinstance(context, bool) and context > 0:
+        return context
+    what = "has no max_position_embeddings" if context is None else \
+        f"has max_position_embeddings {context!r}, not a positive integer"
+    raise ConfigError(f"--model.path {path}: {config} {what}; give the model's context with --rollout.max-model-len")
 
 
 def warn_if_responses_cannot_stop(path) -> None:
