@@ -13,13 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import CheckpointError, where
 
 MANIFEST = "manifest.json"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 4 << 20
 
 
@@ -76,29 +78,51 @@ def write_manifest(path, step: int, reported: dict[str, dict] | None = None) -> 
 
 def read_manifest(path) -> dict | None:
     """The manifest's files (relative path -> entry), None when the checkpoint has none (written
-    before hflow kept one); CheckpointError when it is unreadable."""
-    file = Path(path) / MANIFEST
-    if not file.exists():
-        return None
+    before hflow kept one); CheckpointError when it is unreadable or not a manifest."""
     try:
-        files = json.loads(file.read_text())["files"]
-        if not all(isinstance(e, dict) and {"size", "sha256"} <= set(e) for e in files.values()):
-            raise ValueError("an entry without size and sha256")
-        return files
-    except (ValueError, KeyError, TypeError, OSError) as e:
+        return _manifest_files(Path(path) / MANIFEST)
+    except ValueError as e:
         raise CheckpointError(f"checkpoint {where(path)}: {MANIFEST} is unreadable ({e})") from None
 
 
+
+def _manifest_files(file: Path) -> dict | None:
+    """What `read_manifest` returns; ValueError saying what is wrong with it (zeroed bytes, or
+    JSON of another shape: a resume must see a damaged checkpoint there, not crash)."""
+    if not file.exists():
+        return None
+    try:
+        manifest = json.loads(file.read_text())
+    except OSError as e:
+        raise ValueError(str(e)) from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise ValueError('not a JSON object with a "files" mapping')
+    for name, entry in files.items():
+        parts = PurePosixPath(name).parts
+        if not parts or parts[0] == "/" or ".." in parts:
+            raise ValueError(f"it names {name!r}, outside the checkpoint")
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+                and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])):
+            raise ValueError(f"the entry of {name} is not a size and a sha256")
+    return files
+
+
 def verify(path) -> list[str] | None:
-    """Problems of the checkpoint at `path` against its manifest, one line per damaged file ([]
-    when it verifies); None when it has no manifest."""
+    """Problems of the checkpoint at `path` against its manifest, one line per damaged file (an
+    unreadable manifest, a file it does not list, too) ([] when it verifies); None when it has no
+    manifest."""
     path = Path(path)
-    files = read_manifest(path)
+    try:
+        files = _manifest_files(path / MANIFEST)
+    except ValueError as e:
+        return [f"{MANIFEST} is unreadable ({e})"]
     if files is None:
         return None
-    names = sorted(files)
-    problems, to_hash = [], []
-    for name in names:
+    # a manifest that leaves out what is there was not written for these files
+    problems = [f"{name} is not listed in {MANIFEST}" for name in files_under(path) if name not in files]
+    to_hash = []
+    for name in sorted(files):
         file = path / name
         if not file.is_file():
             problems.append(f"{name} is missing")
