@@ -761,3 +761,20 @@ def test_kv_budget_is_measured_at_each_allocation(saved, monkeypatch):
     llm.wake_up()
     with pytest.raises(ValueError, match="no KV-cache block"):
         llm.generate(prompts, params)
+
+
+def test_weight_files_of_a_directory(tmp_path):
+    """One rule for the engine and the trainer: the index's files, else model.safetensors (not a
+    PEFT adapter saved beside it), else any *.safetensors; none is a clear error."""
+    from safetensors.torch import save_file
+
+    from hflow.engine.loader import safetensors_files
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        safetensors_files(str(tmp_path))
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "weights.safetensors"))
+    assert safetensors_files(str(tmp_path)) == [str(tmp_path / "weights.safetensors")]
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    save_file({"lora_A": torch.zeros(1)}, str(tmp_path / "adapter_model.safetensors"))
+    assert safetensors_files(str(tmp_path)) == [str(tmp_path / "model.safetensors")]
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "b.safetensors", "c": "a.safetensors"}}')
+    assert safetensors_files(str(tmp_path)) == [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]

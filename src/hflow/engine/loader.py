@@ -22,17 +22,22 @@ from hflow.validation import read_json_object
 
 
 def safetensors_files(path: str) -> list[str]:
-    """The weight files of a directory: those model.safetensors.index.json names, else every
-    *.safetensors in it, sorted. Raises FileNotFoundError when there are none."""
+    """The weight files of a directory: those model.safetensors.index.json names, else
+    model.safetensors, else every *.safetensors in it, sorted (a single file of another name).
+    Raises FileNotFoundError when there are none."""
     index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
         files = [os.path.join(path, f) for f in files]
+    elif os.path.exists(single):   # not a PEFT adapter_model.safetensors saved beside it
+        files = [single]
     else:
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                                "(only safetensors checkpoints are supported)")
     return files
 
 

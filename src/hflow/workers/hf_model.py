@@ -20,6 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification)
 
+from hflow.engine.loader import safetensors_files
 from hflow.lora import LoRAConfig, add_adapters, init_adapters, is_adapter
 from hflow.distributed.parallel import device_of
 from hflow.workers.fsdp import FSDPConfig, materialize, params_on_meta, shard_model, storage_dtype
@@ -153,20 +154,6 @@ def _init_head(head: nn.Linear, std: float, seed: int) -> None:
         local.copy_(full[local_slices(param)])
 
 
-def checkpoint_files(path: str) -> list[str]:
-    """The safetensors files of a Hugging Face directory: sharded with an index, or a single file."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, n) for n in names]
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
-                            "(only safetensors checkpoints are supported)")
-
-
 def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
     """The index of the full tensor that this rank's shard of `param` covers."""
     if not isinstance(param, DTensor):
@@ -183,7 +170,7 @@ def load_hf_weights(model: nn.Module, path: str, ignore: Callable[[str], bool] =
     parameters left unfilled are an error unless `allow_missing(name)`."""
     params = dict(model.named_parameters())  # tied weights appear once
     filled = set()
-    for file in checkpoint_files(path):
+    for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 if ignore(key) or key not in params:
