@@ -1,6 +1,7 @@
 """What resume does with what a crash or damage left: a damaged manifest.json is one more damaged
-checkpoint (resume falls back past it)."""
+checkpoint (resume falls back past it); keep_last never removes the checkpoint it just committed."""
 import json
+import os
 
 import pytest
 import torch
@@ -59,3 +60,20 @@ def test_a_damaged_manifest_on_the_only_checkpoint_is_named(tmp_path):
     (tmp_path / "step_3" / ck.MANIFEST).write_bytes(b"\0" * 64)
     with pytest.raises(ck.CheckpointError, match=r"every one is damaged\n  step_3: .*manifest\.json is unreadable"):
         _resume(tmp_path)
+
+
+# ---------------------------------------------------------------- keep_last
+
+def test_keep_last_keeps_the_checkpoint_it_just_committed_below_a_damaged_newer_one(tmp_path):
+    """Resumed from step 10 past a damaged step 20, the run saves step 15 with keep_last=1: step 15
+    must stay (step 20, not older, is left for the run to replace when it gets there)."""
+    _save(tmp_path, 10, keep_last=2)
+    _save(tmp_path, 20, keep_last=2)
+    os.truncate(tmp_path / "step_20" / "actor" / "__0_0.distcp", 10)
+    assert _resume(tmp_path) == (10, "step 10")
+    _save(tmp_path, 15, keep_last=1)
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_15", "step_20"]
+    assert _resume(tmp_path) == (15, "step 15")
+    _save(tmp_path, 20, "step 20 again", keep_last=1)
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_20"]
+    assert _resume(tmp_path) == (20, "step 20 again")

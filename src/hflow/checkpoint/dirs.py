@@ -70,7 +70,8 @@ def begin_save(root, step: int) -> Path:
 
 
 def commit(root, step: int, keep_last: int | None = None) -> Path:
-    """Rename `step_N.tmp` to `step_N` once everything is written; keep the last `keep_last`.
+    """Rename `step_N.tmp` to `step_N` once everything is written; keep it and the `keep_last - 1`
+    checkpoints before it (newer steps are left alone).
 
     Call on one process, after every rank's save returned. An existing `step_N` (a run resumed
     from an earlier step) is replaced: it is moved aside first, so that a crash between the two
@@ -114,7 +115,11 @@ def _prune(root, step: int, keep_last: int | None):
         if match and int(match.group(1)) < step:
             shutil.rmtree(path, ignore_errors=True)
     if keep_last is not None and keep_last > 0:
-        for path in list_checkpoints(root)[:-keep_last]:
+        # Only checkpoints older than the one just committed count against keep_last: a newer one
+        # is left from before a resume that fell back past it (it was damaged), and is replaced
+        # when the run gets there; counting it would remove the checkpoint just written.
+        older = [path for path in list_checkpoints(root) if checkpoint_step(path) < step]
+        for path in older[:max(0, len(older) - (keep_last - 1))]:
             shutil.rmtree(path, ignore_errors=True)
 
 
