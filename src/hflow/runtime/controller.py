@@ -39,7 +39,7 @@ from hflow.batch import Batch
 
 from . import transport
 from .dispatch import RankGrid, balances, gather, mode_of, scatter
-from .server import Call, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
+from .server import Call, ProcessIdentity, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
 
 
 def env_float(name: str, default: float) -> float:
@@ -167,7 +167,7 @@ class Cluster:
     """The controller's view of all ranks. Made by `launch`; `main` receives it."""
 
     def __init__(self, world_size: int, device: torch.device, server: Server,
-                 peers: dict[int, tuple[str, int]] | None = None):
+                 peers: dict[int, ProcessIdentity] | None = None):
         self.world_size, self.device = world_size, device
         self._server = server                  # rank 0's own executor (it is a worker too)
         self._seq = [0] * world_size           # next task number, per destination rank
@@ -177,7 +177,7 @@ class Cluster:
         self._group_ids = itertools.count()
         self._closing = threading.Event()
         self._aborting = threading.Lock()
-        self._peers = peers or {}             # rank -> (host, pid), to end a frozen rank
+        self._peers = peers or {}             # rank -> its process, to end a frozen rank
         self._outstanding: dict[int, dict[int, tuple[str, float]]] = {r: {} for r in range(world_size)}
         if world_size > 1:
             threading.Thread(target=self._heartbeat, name="hflow-heartbeat", daemon=True).start()

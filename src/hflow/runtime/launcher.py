@@ -29,7 +29,7 @@ from hflow.validation import ConfigError, UserError, check_config, notices
 
 from . import stopping, transport
 from .controller import Cluster, env_float
-from .server import Server, hard_exit, log
+from .server import Server, hard_exit, log, this_process
 
 
 def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
@@ -58,8 +58,8 @@ def launch(main: Callable[[Cluster, Any], Any], cfg: Any = None):
     set_device(device)
     dist.init_process_group(backend)
     cfg = _parse_and_check(cfg, rank)
-    peers = [None] * world_size   # (host, pid) of every rank: a frozen rank is ended by its finder
-    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    peers = [None] * world_size   # every rank's process: a frozen rank is ended by its finder
+    dist.all_gather_object(peers, this_process())
     server = Server(rank, device)
     transport.start(rank, world_size, server.handle)
 

@@ -19,13 +19,13 @@ import contextlib
 import gc
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -125,7 +125,7 @@ class Server:
             self._cv.notify()
         return future
 
-    def serve(self, controller_timeout_s: float, controller: tuple[str, int] | None = None) -> None:
+    def serve(self, controller_timeout_s: float, controller: ProcessIdentity | None = None) -> None:
         """Block until the controller says stop. Exit non-zero if it goes silent (died or
         frozen); a frozen controller on this host is SIGKILLed first, as nothing else ends it."""
         self.last_ping = time.monotonic()
@@ -204,15 +204,112 @@ class Server:
         return self._meshes[key]
 
 
-def kill_if_local(peer: tuple[str, int] | None, who: str) -> None:
-    """SIGKILL a peer process that stopped answering, when it runs on this host: a frozen
-    process (SIGSTOP, a hung driver call) cannot end itself, and torchrun's agent would wait 30 s
-    after its SIGTERM before killing it."""
-    if peer is None or peer[0] != socket.gethostname() or peer[1] == os.getpid():
+# ---- ending a frozen peer -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A rank's process, as every rank records it at start, precisely enough to signal it safely:
+    a pid names that process only within one pid namespace of one boot of one kernel (containers
+    on a host may share its hostname, not their pids), and only while it lives (a pid is reused
+    after). A part /proc does not give (not Linux) is None, and then the process is never killed."""
+    pid: int
+    boot_id: str | None         # /proc/sys/kernel/random/boot_id: this boot of this machine
+    pid_namespace: int | None   # the inode of /proc/<pid>/ns/pid: the namespace the pid counts in
+    start_time: int | None      # field 22 of /proc/<pid>/stat: clock ticks after boot
+
+
+def process_identity(pid: int) -> ProcessIdentity:
+    if not _proc_counts_our_pids():
+        return ProcessIdentity(pid, None, None, None)
+    return ProcessIdentity(pid, _boot_id(), _pid_namespace(pid), _start_time(pid))
+
+
+def _proc_counts_our_pids() -> bool:
+    """Whether /proc is this pid namespace's (a container may see its host's): else /proc/<pid>
+    is some other process."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def this_process() -> ProcessIdentity:
+    return process_identity(os.getpid())
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _pid_namespace(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # field 2, the program's name in parentheses, may itself hold spaces and ')': count the
+    # fields after the last ')', which start at field 3
+    return int(stat[stat.rindex(")") + 1:].split()[22 - 3])
+
+
+def _reachable_by_pid(peer: ProcessIdentity | None) -> bool:
+    """Whether `peer`'s pid means the same thing here: the same boot and pid namespace, and
+    not this process; False wherever either identity is incomplete."""
+    me = this_process()
+    if peer is None or peer.pid == me.pid:
+        return False
+    pid_space = (peer.boot_id, peer.pid_namespace)
+    return None not in (*pid_space, peer.start_time) and pid_space == (me.boot_id, me.pid_namespace)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of `pid` (Linux 5.3+), or None where the kernel or a seccomp filter has none.
+    Raises ProcessLookupError when no process has the pid."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
+    except (AttributeError, OSError):
+        return None
+
+
+def _kill_if_still(peer: ProcessIdentity) -> bool:
+    """SIGKILL `peer` if the process that has its pid is the one that registered (the same start
+    time), and say whether it was. The pidfd, opened before the comparison, holds on to the
+    process compared: a pid reused after it is not the one signalled."""
+    pidfd = _pidfd(peer.pid)
+    try:
+        if _start_time(peer.pid) != peer.start_time:
+            return False
+        if pidfd is None:
+            os.kill(peer.pid, signal.SIGKILL)
+        else:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        return True
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def kill_if_local(peer: ProcessIdentity | None, who: str) -> None:
+    """SIGKILL a peer process that stopped answering, when it is certainly that process and
+    reachable from here: a frozen process (SIGSTOP, a hung driver call) cannot end itself, and
+    torchrun's agent would wait 30 s after its SIGTERM before killing it. Anything less certain
+    (another machine or container, a reused pid, an identity /proc could not give) is left alone."""
+    if not _reachable_by_pid(peer):
         return
     try:
-        os.kill(peer[1], signal.SIGKILL)
-        log(f"hflow: SIGKILLed {who} (pid {peer[1]}), which had stopped answering")
+        if _kill_if_still(peer):
+            log(f"hflow: SIGKILLed {who} (pid {peer.pid}), which had stopped answering")
     except (ProcessLookupError, PermissionError):
         pass
 
