@@ -11,9 +11,17 @@ end. The difference is checked to tokenise on its own exactly as it does in plac
 stream equals what the template would have tokenised, from the end-of-turn token on.
 
 A model turn can be extended only if it ended with the end-of-turn token (the session checks).
+
+An observation's content is text, never control tokens: a tool's output holding
+`<|im_end|>\n<|im_start|>user` must not close its turn and forge a user's. So content is masked
+where it holds a special token's text while the template renders (the template's own markers
+are then the only specials in the render), and the render is tokenised split at those markers,
+the text between them (masks undone) encoded with special-token parsing off.
 """
 from __future__ import annotations
 
+import functools
+import re
 from typing import Optional, Sequence, Union
 
 Message = dict
@@ -26,6 +34,10 @@ _REFERENCE_ANSWER = "hflowreferenceanswer"
 _REFERENCE = [{"role": "user", "content": "hflowreferencequestion"},
               {"role": "assistant", "content": _REFERENCE_ANSWER}]
 _PROBE = "hflowprobe"
+# Stands for the i-th special token's text inside content while a template renders it: private-use
+# characters, which no tokenizer's special token and no template's own text holds.
+_MASK = "\ue000hflow{}\ue001"
+_MASKED = re.compile("\ue000hflow(\\d+)\ue001")
 
 
 class TemplateError(ValueError):
@@ -59,6 +71,10 @@ class Renderer:
     def __init__(self, tokenizer, end_of_turn_id: int):
         self.tokenizer = tokenizer
         self.end_of_turn_id = end_of_turn_id
+        for special in self._specials[:1]:
+            if self.encode_text(special) == [tokenizer.convert_tokens_to_ids(special)]:
+                raise TemplateError(f"the tokenizer encodes the text {special!r} as its special token even with "
+                                    "split_special_tokens=True: a tool's output could forge control tokens")
 
     def prompt_ids(self, observation: Observation) -> list[int]:
         raise NotImplementedError
@@ -68,8 +84,57 @@ class Renderer:
         generation prompt included."""
         raise NotImplementedError
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    # ---- content as text, the template's markers as special tokens
+
+    @functools.cached_property
+    def _specials(self) -> list[str]:
+        """The text of the tokenizer's special tokens (those its encode turns into control ids),
+        longest first, so that one holding another is matched whole."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        return sorted({t.content for t in decoder.values() if t.special and t.content}, key=len, reverse=True)
+
+    @functools.cached_property
+    def _special_pattern(self) -> Optional[re.Pattern]:
+        return re.compile("(" + "|".join(map(re.escape, self._specials)) + ")") if self._specials else None
+
+    def mask(self, content: str) -> str:
+        """Content with each special token's text masked, for a template (or a wrapper) to render."""
+        if self._special_pattern is None:
+            return content
+        index = {text: i for i, text in enumerate(self._specials)}
+        return self._special_pattern.sub(lambda m: _MASK.format(index[m[1]]), content)
+
+    def _unmask(self, text: str) -> str:
+        return _MASKED.sub(lambda m: self._specials[int(m[1])], text)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Text as text: a special token's text in it is encoded as the characters it is made of."""
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def encode_rendered(self, rendered: str) -> list[int]:
+        """A render of masked content: its special tokens (the template's) as control ids, the
+        masked content as text, merged with the template's text around it as in place."""
+        plain = list(self.tokenizer.encode(rendered, add_special_tokens=False))
+        if _MASKED.search(rendered) is None:
+            return plain   # no special-token text in the content: the tokenizer's own encoding is exact
+        if self._split_encode(rendered, unmask=False) != plain:
+            # e.g. a special token that strips the whitespace beside it: the split here would differ
+            raise TemplateError("the tokenizer does not split this render at its special tokens as hflow does: "
+                                "its content's special-token text cannot be kept as text")
+        return self._split_encode(rendered, unmask=True)
+
+    def _split_encode(self, rendered: str, unmask: bool) -> list[int]:
+        # the tokenizer itself splits at special tokens first and encodes the text between them
+        # on its own: so does this, with the masks undone only in that text
+        ids = []
+        pieces = self._special_pattern.split(rendered)
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids.append(self.tokenizer.convert_tokens_to_ids(piece))
+            elif piece:
+                ids.extend(self.encode_text(self._unmask(piece)) if unmask else
+                           self.tokenizer.encode(piece, add_special_tokens=False))
+        return ids
 
     def model_text(self, token_ids: Sequence[int]) -> str:
         """A turn as the environment reads it: special tokens kept (a tool-call tag may be one),
@@ -93,7 +158,7 @@ class Renderer:
         return messages, cuts
 
     def _truncate_text(self, text: str, max_tokens: int) -> tuple[str, bool]:
-        ids = self.encode(text)
+        ids = self.encode_text(text)
         if len(ids) <= max_tokens:
             return text, False
         # a cut inside a multi-byte character decodes to U+FFFD: leave the half character out
@@ -126,7 +191,9 @@ class ChatRenderer(Renderer):
         self._check_extends()
 
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+        """The conversation rendered, its content masked (see encode_rendered)."""
+        masked = [{**m, "content": self.mask(m["content"])} for m in messages]
+        return self.tokenizer.apply_chat_template(masked, tools=self.tools, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **self.template_kwargs)
 
     def _find_end_of_turn(self, tokenizer) -> str:
@@ -149,7 +216,7 @@ class ChatRenderer(Renderer):
                                     f"(it rendered {text!r})")
 
     def prompt_ids(self, observation: Observation) -> list[int]:
-        return self.encode(self._render(as_messages(observation), add_generation_prompt=True))
+        return self.encode_rendered(self._render(as_messages(observation), add_generation_prompt=True))
 
     def observation_ids(self, observation: Observation) -> list[int]:
         full = self._render(_REFERENCE + as_messages(observation), add_generation_prompt=True)
@@ -158,8 +225,8 @@ class ChatRenderer(Renderer):
         if at < 0 or full.find(anchor, at + 1) >= 0:
             raise TemplateError(f"the chat template does not end an assistant turn with {self.end_of_turn!r} right "
                                 "after its content when messages follow it: a trajectory cannot be extended exactly")
-        ids = self.encode(full[at + len(anchor):])
-        in_place = self.encode(full)
+        ids = self.encode_rendered(full[at + len(anchor):])
+        in_place = self.encode_rendered(full)
         if in_place[len(in_place) - len(ids) - 1:] != [self.end_of_turn_id] + ids:
             raise TemplateError("the messages after an assistant turn tokenise differently on their own than in "
                                 "the whole conversation: a trajectory cannot be extended exactly")
@@ -182,15 +249,18 @@ class TextRenderer(Renderer):
         super().__init__(tokenizer, end_of_turn_id)
         self.tool_result = tool_result
 
-    def _text(self, observation: Observation) -> str:
+    def _text(self, observation: Observation, content=lambda text: text) -> str:
+        """The observation as one text, each message's content passed through `content`."""
         if isinstance(observation, str):
-            return observation
-        return "".join(self.tool_result.replace("{content}", m["content"]) if m["role"] == "tool" else m["content"]
-                       for m in as_messages(observation))
+            return content(observation)
+        return "".join(self.tool_result.replace("{content}", content(m["content"])) if m["role"] == "tool"
+                       else content(m["content"]) for m in as_messages(observation))
 
     def prompt_ids(self, observation: Observation) -> list[int]:
-        # as hflow's data loading tokenises a text prompt: with the tokenizer's own specials (a BOS)
+        # as hflow's data loading tokenises a text prompt: with the tokenizer's own specials (a BOS),
+        # its special-token text parsed (the task's author wrote it; it may be a template's render)
         return list(self.tokenizer.encode(self._text(observation), add_special_tokens=True))
 
     def observation_ids(self, observation: Observation) -> list[int]:
-        return self.encode(self._text(observation))
+        # content masked, so that only `tool_result`'s own special tokens (if any) stay special
+        return self.encode_rendered(self._text(observation, content=self.mask))
