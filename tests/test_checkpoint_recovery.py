@@ -1,12 +1,16 @@
 """What resume does with what a crash or damage left: a damaged manifest.json is one more damaged
-checkpoint (resume falls back past it); keep_last never removes the checkpoint it just committed."""
+checkpoint (resume falls back past it); keep_last never removes the checkpoint it just committed;
+a crash between the two renames of a step saved again leaves that step as it was; the directory
+entries of a checkpoint are on disk before its rename."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
 from hflow import checkpoint as ck
+from programs.checkpoint_crash_points import CRASHED, run_crashing
 from programs.checkpoint_fake_group import FakeGroup
 
 
@@ -77,3 +81,43 @@ def test_keep_last_keeps_the_checkpoint_it_just_committed_below_a_damaged_newer_
     _save(tmp_path, 20, "step 20 again", keep_last=1)
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_20"]
     assert _resume(tmp_path) == (20, "step 20 again")
+
+
+# ---------------------------------------------------------------- saving a step again
+
+def _ops_of(fn, root):
+    """The disk operations of `fn()`, paths relative to `root` (run to the end in a child)."""
+    code, ops = run_crashing(fn, crash_at=None, relative_to=root)
+    assert code == 0
+    return ops
+
+
+def test_a_crash_between_the_renames_of_a_step_saved_again_keeps_that_step(tmp_path):
+    """step_2 is moved aside (step_2.old) and step_2.tmp is about to take its place when the
+    process dies. The rename of step_2.tmp is the commit: resume must find step 2 as it was
+    (it deleted the new save and ignored step_2.old, resuming from step 1)."""
+    root, dry = tmp_path / "ckpt", tmp_path / "dry"
+    _save(root, 1)
+    _save(root, 2, "first")
+    shutil.copytree(root, dry)
+    ops = _ops_of(lambda: _save(dry, 2, "second"), dry)
+    between = ops.index(["rename", "step_2.tmp", "step_2"]) + 1
+    code, done = run_crashing(lambda: _save(root, 2, "second"), crash_at=between, relative_to=root)
+    assert code == CRASHED and done[-2] == ["rename", "step_2", "step_2.old"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2.old", "step_2.tmp"]
+    assert _resume(root) == (2, "first")
+    assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2"]
+    _save(root, 2, "second")
+    assert _resume(root) == (2, "second")
+
+
+def test_a_checkpoints_directories_are_synced_after_its_last_rename_inside_and_before_its_commit(tmp_path):
+    """A rename is durable once its directory is fsynced: step_N.tmp and each group's directory
+    must be, after manifest.json (and .metadata, extra.json) are renamed into them and before
+    step_N.tmp becomes step_N, or a power cut could publish a checkpoint without its manifest."""
+    _save(tmp_path, 1)
+    ops = _ops_of(lambda: _save(tmp_path, 2), tmp_path)
+    manifest = ops.index(["replace", "step_2.tmp/manifest.json.part", "step_2.tmp/manifest.json"])
+    commit = ops.index(["rename", "step_2.tmp", "step_2"])
+    synced = [op[1] for op in ops[manifest:commit] if op[0] == "fsync"]
+    assert "step_2.tmp" in synced and "step_2.tmp/actor" in synced, ops[manifest:commit + 1]

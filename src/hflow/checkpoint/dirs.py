@@ -45,19 +45,29 @@ def latest_checkpoint(root) -> Path | None:
 
 
 def prune_stale(root) -> list[Path]:
-    """Remove what no save will finish: every `step_N.tmp`, and a `step_N.old` whose `step_N`
-    exists. Only while nothing is saving (before a save begins, at resume): a failed save's
-    partial files would otherwise hold the disk space the next save needs."""
+    """Finish what an interrupted save left, before a save begins and at resume (while nothing is
+    saving): a `step_N.old` without its `step_N` is renamed back (the save of a step already there
+    died between `commit`'s two renames, so that step is still the old one); every `step_N.tmp`
+    and a `step_N.old` beside its `step_N` are removed (no save will finish them, and their
+    partial files would hold the disk space the next save needs). Returns what was removed."""
     root = Path(root)
     if not root.is_dir():
         return []
+    _restore_moved_aside(root)
     removed = []
     for path in root.iterdir():
-        old = _OLD_DIR.match(path.name)
-        if _TMP_DIR.match(path.name) or (old and (root / old.group(1)).is_dir()):
+        if _TMP_DIR.match(path.name) or _OLD_DIR.match(path.name):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _restore_moved_aside(root: Path) -> None:
+    for path in list(root.iterdir()):
+        old = _OLD_DIR.match(path.name)
+        if old and not (root / old.group(1)).exists():
+            os.rename(path, root / old.group(1))
+            fsync_dir(root)
 
 
 def begin_save(root, step: int) -> Path:
@@ -73,24 +83,33 @@ def commit(root, step: int, keep_last: int | None = None) -> Path:
     """Rename `step_N.tmp` to `step_N` once everything is written; keep it and the `keep_last - 1`
     checkpoints before it (newer steps are left alone).
 
-    Call on one process, after every rank's save returned. An existing `step_N` (a run resumed
-    from an earlier step) is replaced: it is moved aside first, so that a crash between the two
-    renames still leaves the older checkpoints.
+    Call on one process, after every rank's save returned. That rename is the commit. An existing
+    `step_N` (a run resumed from an earlier step) is replaced: it is moved aside to `step_N.old`
+    first, which `prune_stale` renames back if the process dies before `step_N.tmp` takes its name.
     """
     tmp, final = temporary_dir(root, step), checkpoint_dir(root, step)
     if not tmp.is_dir():
         raise FileNotFoundError(f"nothing to commit: {tmp} does not exist (call begin_save first)")
-    old = None
-    if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
+    _sync_dirs(tmp)
+    old = final.with_name(final.name + ".old")
+    replacing = final.exists()
+    if replacing:
+        shutil.rmtree(old, ignore_errors=True)   # stale: only beside its step_N (see prune_stale)
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(final.parent)
-    if old is not None:
+    if replacing:
         shutil.rmtree(old, ignore_errors=True)
     _prune(root, step, keep_last)
     return final
+
+
+def _sync_dirs(path: Path) -> None:
+    # The files are fsynced as written, but the names in a directory (manifest.json renamed into
+    # place last) are durable only once the directory is: before the rename that publishes them.
+    for directory in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
+        fsync_dir(directory)
+    fsync_dir(path)
 
 
 def fsync_dir(path: Path):
