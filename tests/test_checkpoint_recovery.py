@@ -1,7 +1,7 @@
 """What resume does with what a crash or damage left: a damaged manifest.json is one more damaged
 checkpoint (resume falls back past it); keep_last never removes the checkpoint it just committed;
 a crash between the two renames of a step saved again leaves that step as it was; the directory
-entries of a checkpoint are on disk before its rename."""
+entries of a checkpoint are on disk before its rename; a Hugging Face export is whole or absent."""
 import json
 import os
 import shutil
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hflow import checkpoint as ck
+from hflow.checkpoint.dirs import output_dir_problems
 from programs.checkpoint_crash_points import CRASHED, run_crashing
 from programs.checkpoint_fake_group import FakeGroup
 
@@ -121,3 +122,34 @@ def test_a_checkpoints_directories_are_synced_after_its_last_rename_inside_and_b
     commit = ops.index(["rename", "step_2.tmp", "step_2"])
     synced = [op[1] for op in ops[manifest:commit] if op[0] == "fsync"]
     assert "step_2.tmp" in synced and "step_2.tmp/actor" in synced, ops[manifest:commit + 1]
+
+
+# ---------------------------------------------------------------- the Hugging Face export
+
+class _Trainer:
+    def __init__(self, output_dir):
+        self.output_dir, self.resume, self.overwrite = output_dir, True, False
+
+
+def _tiny_model():
+    from transformers import Qwen2ForCausalLM
+    from hflow.default.model import build_config
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(build_config("tiny", vocab_size=64))
+
+
+def test_an_export_killed_midway_leaves_no_actor_hf_and_the_run_can_resume(tmp_path):
+    """The run dies while writing output_dir/actor_hf (no checkpoint was kept): what is there must
+    not look like a finished run, and the next export replaces whatever was left."""
+    model, out = _tiny_model(), tmp_path / "actor_hf"
+    ops = _ops_of(lambda: ck.export_hf(model, tmp_path / "dry"), tmp_path)
+    midway = next(i for i, op in enumerate(ops) if op[0] == "write" and op[1].endswith("config.json")) + 2
+    code, _ = run_crashing(lambda: ck.export_hf(model, out), crash_at=midway, relative_to=tmp_path)
+    assert code == CRASHED
+    assert not out.exists()
+    assert output_dir_problems(_Trainer(tmp_path)) == []
+    ck.export_hf(model, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actor_hf", "dry"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "dry").iterdir())
+    ck.export_hf(model, out)                       # a later export replaces it whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actor_hf", "dry"]

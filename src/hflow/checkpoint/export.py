@@ -1,9 +1,13 @@
 """Hugging Face export: a trained model (FSDP2-sharded or not) as a directory that
-`from_pretrained` loads."""
+`from_pretrained` loads. The directory is written as `<path>.partial` and renamed into place
+whole: a run killed midway leaves no `path` that looks finished (an output directory's
+`actor_hf` says the run ended)."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,6 +21,8 @@ from transformers.utils import logging as hf_logging
 
 from hflow import lora
 from hflow.metrics import progress_enabled
+
+from .dirs import fsync_dir
 
 
 def _rank(group) -> int:
@@ -44,7 +50,8 @@ def export_hf(model, path, tokenizer=None, process_group=None) -> Path:
     path = Path(path)
     if writer:
         scaling = next((m.lora_scaling for m in lora.adapted_weights(model).values()), None)
-        _save_pretrained(model, lora.merge_state_dict(full, scaling) if scaling else full, path, tokenizer)
+        with written_in_place(path) as partial:
+            _save_pretrained(model, lora.merge_state_dict(full, scaling) if scaling else full, partial, tokenizer)
     _barrier(process_group)
     return path
 
@@ -57,7 +64,8 @@ def export_peft_adapter(model, path, cfg: lora.LoRAConfig, base_model: str, proc
     adapters = _gathered(model, writer, keep=lora.is_adapter)
     path = Path(path)
     if writer:
-        write_peft_adapter(path, adapters, cfg, base_model)
+        with written_in_place(path) as partial:
+            write_peft_adapter(partial, adapters, cfg, base_model)
     _barrier(process_group)
     return path
 
@@ -68,6 +76,48 @@ def write_peft_adapter(path: Path, state: dict, cfg: lora.LoRAConfig, base_model
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path / "adapter_model.safetensors")
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+@contextmanager
+def written_in_place(path):
+    """A new directory to write `path`'s files into, renamed to `path` (replacing an earlier one)
+    once the block ends and they are on disk; removed if the block raises. What a killed process
+    leaves (`<path>.partial`) is cleared by the next export to `path`."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+        _sync_tree(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _replace_dir(partial, path)
+
+
+def _sync_tree(path: Path) -> None:
+    # transformers and safetensors do not fsync: the files must be on disk before the rename
+    # that says they are complete
+    for file in sorted(path.rglob("*"), reverse=True):
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        else:
+            fsync_dir(file)
+    fsync_dir(path)
+
+
+def _replace_dir(new: Path, path: Path) -> None:
+    # The earlier directory is moved aside, not removed first: until the second rename a crash
+    # leaves it (as `<path>.replaced`) beside the complete new one, and nothing is lost.
+    replaced = path.with_name(path.name + ".replaced")
+    if path.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(path, replaced)
+    os.rename(new, path)
+    fsync_dir(path.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _gathered(model, writer: bool, keep=lambda name: True) -> dict[str, torch.Tensor]:
@@ -99,7 +149,6 @@ def _save_pretrained(model, state_dict: dict, path: Path, tokenizer):
         plain.tie_weights()
     if getattr(model, "generation_config", None) is not None:
         plain.generation_config = model.generation_config
-    path.mkdir(parents=True, exist_ok=True)
     if not progress_enabled():   # transformers' own "Writing model shards" bar follows hflow's switch
         hf_logging.disable_progress_bar()
     plain.save_pretrained(path, safe_serialization=True)

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hflow import lora
 from hflow.checkpoint.errors import CheckpointError
-from hflow.checkpoint.export import write_peft_adapter
+from hflow.checkpoint.export import write_peft_adapter, written_in_place
 from hflow.checkpoint.integrity import verify
 from hflow.checkpoint.safe_format import read_dcp_metadata
 from hflow.checkpoint.sharded import load_sharded
@@ -66,9 +66,11 @@ def checkpoint_to_hf(step_dir, model_dir, out, role: str = "actor", lora_alpha: 
                               targets=tuple(sorted({n.rsplit(".", 2)[-2] for n in adapters})))
         full = {**state, **adapters}
         model.load_state_dict(lora.merge_state_dict(full, cfg.scaling))
-        write_peft_adapter(out.with_name(out.name + "_lora"), full, cfg, str(model_dir))
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+        with written_in_place(out.with_name(out.name + "_lora")) as partial:
+            write_peft_adapter(partial, full, cfg, str(model_dir))
+    with written_in_place(out) as partial:
+        model.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)
     return out
 
 
