@@ -12,7 +12,7 @@ from hflow.rewards.code import code_score, extract_code, parse_tests
 from hflow.sandbox import run_tests
 from hflow.sandbox.checker import ProbeFailed, Untrusted, check
 from hflow.sandbox.child import encode
-from hflow.sandbox.probes import decode, plan
+from hflow.sandbox.probes import decode, plan, read_report
 from test_code_sandbox import HONEST, sandbox_processes
 
 
@@ -157,6 +157,15 @@ def test_the_checker_bounds_what_a_value_costs_it(test, value):
     start = time.monotonic()
     assert not check(plan(test), [value])
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("line", ["done \u00b2", "done \u0663", "value \u00b2 [\"none\"]", "done " + "9" * 5000,
+                                  "value " + "9" * 5000 + " [\"none\"]", "raised \u00b2 E"],
+                         ids=["superscript", "arabic-indic", "value superscript", "long", "value long", "raised"])
+def test_the_report_reader_takes_only_ascii_indices(line):
+    # str.isdigit accepts "\u00b2", int() does not: the reader raised (issue 44 #9)
+    report = read_report(f"ran\n{line}\ndone 0\n", 1)
+    assert report.ran and report.done == {0} and isinstance(report.values[0], ProbeFailed)
 
 
 def test_a_probe_that_failed_fails_only_a_test_that_uses_its_value():

@@ -269,21 +269,33 @@ class Report:
 
 
 def read_report(text: str, num_probes: int) -> Report:
+    """The program's result file read; never raises: a line it cannot read is left out, a value it
+    cannot decode is a ProbeFailed."""
     report = Report(values=[ProbeFailed("no value")] * num_probes)
     seen = set()
     for line in text.splitlines():
         kind, _, rest = line.partition(" ")
-        index, _, detail = rest.partition(" ")
+        word, _, detail = rest.partition(" ")
+        index = ascii_number(word)
         if kind == "ran":
             report.ran = True
         elif kind == "error" and report.error is None:
             report.error = rest
-        elif kind == "done" and index.isdigit():
-            report.done.add(int(index))
-        elif kind in ("value", "raised") and index.isdigit() and int(index) < num_probes and index not in seen:
+        elif kind == "done" and index is not None:
+            report.done.add(index)
+        elif kind in ("value", "raised") and index is not None and index < num_probes and index not in seen:
             seen.add(index)
             try:
-                report.values[int(index)] = decode(detail) if kind == "value" else ProbeFailed(detail)
+                report.values[index] = decode(detail) if kind == "value" else ProbeFailed(detail)
             except ValueError as e:
-                report.values[int(index)] = ProbeFailed(str(e))
+                report.values[index] = ProbeFailed(str(e))
     return report
+
+
+def ascii_number(word: str) -> Optional[int]:
+    """``word`` as a number (an index, a wait status), if it is one: ASCII digits only
+    (``str.isdigit`` takes "\u00b2", which ``int`` refuses, and ``int`` takes other scripts'
+    digits), and few enough that ``int`` takes them (Python refuses over 4,300)."""
+    if word.isascii() and word.isdigit() and len(word) <= 18:
+        return int(word)
+    return None

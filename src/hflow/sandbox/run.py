@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
 from hflow.sandbox.checker import Untrusted, check
-from hflow.sandbox.probes import plan, read_report
+from hflow.sandbox.probes import ascii_number, plan, read_report
 from hflow.sandbox.uids import sandbox_uid
 
 logger = logging.getLogger("hflow.sandbox")
@@ -241,8 +241,8 @@ def _result(status: str, report_text: str, plans: list, proc, exited: bool, limi
             raise RuntimeError(f"the code sandbox could not set up a program: {detail}")
         if kind == "ready":
             isolation = detail
-        elif kind == "exit" and detail.isdigit():
-            wait_status = int(detail)
+        elif kind == "exit" and ascii_number(detail) is not None:
+            wait_status = ascii_number(detail)
     returncode = proc.returncode if wait_status is None else os.waitstatus_to_exitcode(wait_status)
     offsets = [0]
     for test in plans:
