@@ -3,6 +3,9 @@ and their check outside the solution's process, batch scoring in the reward pool
 built-in code task (its reference solutions pass its asserts). The sandbox itself:
 test_code_sandbox.py."""
 import json
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -157,6 +160,65 @@ def test_the_checker_bounds_what_a_value_costs_it(test, value):
     start = time.monotonic()
     assert not check(plan(test), [value])
     assert time.monotonic() - start < 5
+
+
+MERSENNE_61 = 2 ** 61 - 1  # CPython hashes an int modulo it: its multiples all hash to 0
+
+
+def test_a_decoded_range_costs_its_length():
+    # Three ints stand for any length: counted as its items, a range cannot grow the checker's
+    # set(f(x)) to gigabytes (issue 44 #3).
+    assert decode(json.dumps(encode(range(3, 1000, 7)))) == range(3, 1000, 7)
+    for stop in (10 ** 18, 2 ** 64, 1 << 20):
+        with pytest.raises(ValueError, match="too big"):
+            decode(json.dumps(["range", "0x0", hex(stop), "0x1"]))
+    assert isinstance(read_report('value 0 ["range", "0x0", "0xde0b6b3a7640000", "0x1"]', 1).values[0], ProbeFailed)
+
+
+def colliding_ints(n: int) -> list[int]:
+    return [k * MERSENNE_61 for k in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("text", [
+    json.dumps(["set", [["int", hex(v)] for v in colliding_ints(16000)]]),
+    json.dumps(["frozenset", [["tuple", [["int", hex(v)]]] for v in colliding_ints(16000)]]),
+    json.dumps(["dict", [[["int", hex(v)], ["none"]] for v in colliding_ints(16000)]]),
+], ids=["set", "frozenset of tuples", "dict"])
+def test_decoding_values_of_one_hash_is_refused_in_linear_time(text):
+    # A set of distinct values that share a hash takes quadratic time to build: 16k of them 2.5 s
+    # of the reward worker's CPU, a whole report past the pool's timeout (issue 44 #3).
+    start = time.process_time()
+    with pytest.raises(ValueError, match="one hash"):
+        decode(text)
+    assert time.process_time() - start < 0.5
+
+
+@pytest.mark.parametrize("test, value", [
+    ("assert set(f(1)) == {1}", colliding_ints(16000)),
+    ("assert frozenset(map(tuple, f(1))) == frozenset()", [[v] for v in colliding_ints(16000)]),
+    ("assert {*f(1)} == {1}", colliding_ints(16000)),
+    ("assert {v for v in f(1)} == {1}", colliding_ints(16000)),
+    ("assert dict.fromkeys(f(1)) == {}", colliding_ints(16000)),
+    ("assert dict(zip(f(1), f(1))) == {}", colliding_ints(16000)),
+    ("assert {1}.union(f(1)) == {1}", colliding_ints(16000)),
+])
+def test_the_checker_refuses_values_of_one_hash_in_linear_time(test, value):
+    start = time.process_time()
+    assert not check(plan(test), [value] * len(plan(test).probes))
+    assert time.process_time() - start < 0.5
+
+
+def test_the_checkers_memory_is_bounded_where_it_runs_alone(tmp_path):
+    # A width the solution chose (zfill, ljust, a format spec) can ask for any size of string:
+    # in a reward worker, alone in its process, the check runs under an address-space limit.
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        from hflow.sandbox import checker
+        from hflow.sandbox.probes import plan
+        checker.MAX_CHECK_MEMORY = 256 << 20
+        print(checker.check(plan("assert f(1).zfill(f(2))"), ["1", 1 << 30]))
+        print(checker.check(plan("assert f(1).zfill(f(2))"), ["1", 5]))""")],
+        capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "True"], out.stderr
 
 
 @pytest.mark.parametrize("line", ["done \u00b2", "done \u0663", "value \u00b2 [\"none\"]", "done " + "9" * 5000,

@@ -5,19 +5,25 @@ It evaluates a test's syntax tree, with each probe replaced by its value: the na
 the built-ins below and ``math``/``cmath`` (their numeric functions), attributes are read only
 when public (no ``_``), and a lambda or comprehension of the test's own runs here too. The values
 are plain data the solution chose, so what it bounds is their cost: ints, repetitions, ranges and
-steps (``MAX_*``); what those miss (``sum(f(x), [])`` on a long list) the reward pool's timeout
-ends.
+steps, values of one hash in a set or dict (``MAX_*``), and, where the check runs alone in its
+process (a reward worker), the memory it may take; what those miss (``sum(f(x), [])`` on a long
+list) the reward pool's timeout ends.
 """
 import ast
 import builtins
 import cmath
+import contextlib
+import itertools
 import math
 import operator
+import resource
 from types import ModuleType
 
 MAX_INT_BITS = 1 << 20      # an int a value or an operation here may have
 MAX_ITEMS = 1 << 20         # the items an operation here may make
 MAX_STEPS = 1 << 18         # syntax-tree nodes evaluated per test
+MAX_SHARED_HASH = 32        # distinct values of one hash a set or dict here may hold
+MAX_CHECK_MEMORY = 2 << 30  # bytes of address space a check may add, where it runs alone in its process
 
 BUILTINS = ("abs all any ascii bin bool bytes callable chr complex dict divmod enumerate filter float "
             "format frozenset hash hex int isinstance issubclass iter len list map max min next oct ord "
@@ -79,15 +85,109 @@ def check(test, values: list) -> bool:
     if test.broken is not None:
         return False
     try:
-        _Checker(values).run(test.statements)
+        with _bounded_memory():
+            _Checker(values).run(test.statements)
         return True
-    except Exception:  # an assert that fails, a probe that failed, anything the test raises
+    except Exception:  # an assert that fails, a probe that failed, anything the test raises; MemoryError
         return False
+
+
+@contextlib.contextmanager
+def _bounded_memory():
+    """The address space may grow by MAX_CHECK_MEMORY meanwhile (RLIMIT_AS), where this process has
+    one thread (a reward worker): a size the solution chose where the limits above do not look
+    (``f(x).zfill(f(y))``, a format width) is then a MemoryError, not the machine's memory. With
+    other threads the limit would be theirs too: none is set."""
+    limit = _address_space_limit()
+    if limit is None:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _address_space_limit():
+    """This process's address space now plus MAX_CHECK_MEMORY, unless it has other threads or a
+    lower limit already."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        threads, size = int(fields[b"Threads"]), int(fields[b"VmSize"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):  # not Linux, or a kernel thread's status
+        return None
+    limit = size + MAX_CHECK_MEMORY
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if threads != 1 or soft != resource.RLIM_INFINITY and soft <= limit \
+            or hard != resource.RLIM_INFINITY and hard < limit:
+        return None
+    return limit
 
 
 def _guard_size(result_items: int, what: str) -> None:
     if result_items > MAX_ITEMS:
         raise OverflowError(f"{what} too big for the checker")
+
+
+def guard_hashes(keys) -> None:
+    """OverflowError when more than MAX_SHARED_HASH distinct ``keys`` share a hash: a set or dict of
+    them takes quadratic time to build (ints that are multiples of 2**61 - 1 all hash to 0; 16k
+    of them, 2.5 s). Linear: each key meets at most MAX_SHARED_HASH others of its hash."""
+    buckets = {}
+    for key in keys:
+        try:
+            code = hash(key)
+        except TypeError:
+            continue  # unhashable: the set or dict made of it raises
+        bucket = buckets.get(code)
+        if bucket is None:
+            bucket = buckets[code] = set()
+        bucket.add(key)
+        if len(bucket) > MAX_SHARED_HASH:
+            raise OverflowError(f"more than {MAX_SHARED_HASH} values of one hash")
+
+
+_HASHED = (set, frozenset, dict)
+# Methods of sets and dicts that hash the items of iterables they are given: all their
+# positional arguments, or (ONE_ITERABLE) only the first
+_HASHING_METHODS = {"union", "intersection", "difference", "symmetric_difference", "issubset", "issuperset",
+                    "isdisjoint", "update", "intersection_update", "difference_update",
+                    "symmetric_difference_update", "fromkeys"}
+_ONE_ITERABLE = {"fromkeys"}
+
+
+def _hashing(function) -> bool:
+    """Whether calling ``function`` makes a set or dict of its arguments' items (``set(x)``,
+    ``dict(pairs)``, ``s.union(x)``, ``set.union(s, x)``, ``dict.fromkeys(x)``)."""
+    if any(function is kind for kind in _HASHED):
+        return True
+    owner = getattr(function, "__self__", getattr(function, "__objclass__", None))
+    owned = isinstance(owner, _HASHED) or any(owner is kind for kind in _HASHED)
+    return owned and getattr(function, "__name__", None) in _HASHING_METHODS
+
+
+def _hash_checked_arguments(function, args: list) -> list:
+    """The arguments of a ``_hashing`` call, iterables read into lists (at most MAX_ITEMS items),
+    once the keys that the set or dict it makes may hold, its owner's included, were checked
+    (``guard_hashes``). The same call on them does what it would have done on ``args``."""
+    name = getattr(function, "__name__", None)
+    owner = getattr(function, "__self__", None)
+    pairs = function is dict or isinstance(owner, dict) and name == "update"
+    iterables = 1 if any(function is kind for kind in _HASHED) or pairs or name in _ONE_ITERABLE else len(args)
+    checked, keys = [], [owner] if isinstance(owner, _HASHED) else []
+    for arg in args[:iterables]:
+        if not isinstance(arg, _HASHED):  # a set or dict: its keys were checked when it was made
+            arg = list(itertools.islice(arg, MAX_ITEMS + 1))
+            _guard_size(len(arg), "a set or dict")
+            if pairs:  # dict() takes any two-item iterable as a pair; a tuple of it reads the same
+                arg = [tuple(itertools.islice(pair, 3)) for pair in arg]
+        checked.append(arg)
+        keys.append([pair[0] for pair in arg if pair] if pairs and not isinstance(arg, dict) else arg)
+    guard_hashes(itertools.chain.from_iterable(keys))
+    return checked + list(args[iterables:])
 
 
 def _guarded_binary(op, left, right):
@@ -204,16 +304,23 @@ class _Checker:
         return self._items(node.elts, scope)
 
     def _Set(self, node, scope):
-        return set(self._items(node.elts, scope))
+        items = self._items(node.elts, scope)
+        guard_hashes(items)
+        return set(items)
 
     def _Dict(self, node, scope):
-        result = {}
+        pairs = []
         for key, value in zip(node.keys, node.values):
             if key is None:
-                result.update(self.expr(value, scope))
+                mapping = self.expr(value, scope)
+                if not isinstance(mapping, dict):
+                    raise TypeError(f"{type(mapping).__name__} is not a mapping")
+                pairs.extend(mapping.items())
             else:
-                result[self.expr(key, scope)] = self.expr(value, scope)
-        return result
+                pairs.append((self.expr(key, scope), self.expr(value, scope)))
+            _guard_size(len(pairs), "a display")
+        guard_hashes(key for key, _ in pairs)
+        return dict(pairs)
 
     def _BinOp(self, node, scope):
         return _guarded_binary(_BINARY[type(node.op)], self.expr(node.left, scope), self.expr(node.right, scope))
@@ -248,6 +355,8 @@ class _Checker:
         for keyword in node.keywords:
             value = self.expr(keyword.value, scope)
             kwargs.update(value if keyword.arg is None else {keyword.arg: value})
+        if _hashing(function):
+            args = _hash_checked_arguments(function, args)
         return function(*args, **kwargs)
 
     def _Attribute(self, node, scope):
@@ -305,10 +414,14 @@ class _Checker:
         return list(self._generate(node, node.generators, scope))
 
     def _SetComp(self, node, scope):
-        return set(self._generate(node, node.generators, scope))
+        items = list(self._generate(node, node.generators, scope))
+        guard_hashes(items)
+        return set(items)
 
     def _DictComp(self, node, scope):
-        return dict(self._generate(node, node.generators, scope))
+        pairs = list(self._generate(node, node.generators, scope))
+        guard_hashes(key for key, _ in pairs)
+        return dict(pairs)
 
     def _GeneratorExp(self, node, scope):
         return self._generate(node, node.generators, scope)

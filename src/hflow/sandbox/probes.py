@@ -24,14 +24,15 @@ import ast
 import copy
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 from hflow.sandbox.checker import (BUILTINS, COMPREHENSIONS, EVALUATED, MAX_INT_BITS, MODULES, RECORDS,
-                                   ProbeFailed, ProbeValue, Untrusted, imports)
+                                   ProbeFailed, ProbeValue, Untrusted, guard_hashes, imports)
 
 MAX_DEPTH = 64              # nesting of a decoded value
-MAX_VALUE_NODES = 1 << 17   # items of one decoded value
+MAX_VALUE_NODES = 1 << 17   # items of one decoded value (a range counts its length)
 PLAIN_METHODS = {name for kind in (str, bytes, list, tuple, dict, set, frozenset, int, float, complex)
                  for name in dir(kind) if not name.startswith("_")}
 
@@ -195,10 +196,11 @@ def plan(test: str) -> Plan:
 # ---------------------------------------------------------------- values sent back
 
 def decode(text: str):
-    """The plain value the program encoded (``child.encode``); ValueError unless well formed."""
+    """The plain value the program encoded (``child.encode``); ValueError unless well formed and
+    within the limits above (and the checker's on ints and values of one hash)."""
     try:
         return _decode(json.loads(text), 0, [MAX_VALUE_NODES])
-    except (TypeError, ValueError, RecursionError, OverflowError) as e:  # TypeError: an unhashable key
+    except (TypeError, ValueError, RecursionError, OverflowError, MemoryError) as e:  # TypeError: an unhashable key
         raise ValueError(f"not a plain value: {e}") from None
 
 
@@ -222,19 +224,34 @@ def _decode(data, depth: int, budget: list):
         return _one(payload, str)
     if tag == "bytes":
         return bytes.fromhex(_one(payload, str))
-    if tag in ("list", "tuple", "set", "frozenset", "iterator"):
-        kind = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset, "iterator": iter}[tag]
-        return kind(items())
+    if tag in ("list", "tuple", "iterator"):
+        return {"list": list, "tuple": tuple, "iterator": iter}[tag](items())
+    if tag in ("set", "frozenset"):
+        values = items()
+        guard_hashes(values)  # before the set is built: distinct values of one hash take quadratic time
+        return (set if tag == "set" else frozenset)(values)
     if tag == "dict":
-        result = {}
+        pairs = []
         for pair in _one(payload, list):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ValueError("a dict item is not a pair")
-            result[_decode(pair[0], depth + 1, budget)] = _decode(pair[1], depth + 1, budget)
-        return result
+            pairs.append((_decode(pair[0], depth + 1, budget), _decode(pair[1], depth + 1, budget)))
+        guard_hashes(key for key, _ in pairs)
+        return dict(pairs)
     if tag == "range" and len(payload) == 3:
-        return range(*(_int(_short(part)) for part in payload))
+        numbers = range(*(_int(_short(part)) for part in payload))
+        budget[0] -= _length(numbers)  # three ints stand for any length: it costs its items, as a list would
+        if budget[0] < 0:
+            raise ValueError("too big a range")
+        return numbers
     raise ValueError(f"unknown value tag {tag!r}")
+
+
+def _length(numbers: range) -> int:
+    try:
+        return len(numbers)
+    except OverflowError:  # longer than sys.maxsize
+        return sys.maxsize
 
 
 def _one(payload: list, kind: type):
