@@ -84,6 +84,11 @@ class Renderer:
         generation prompt included."""
         raise NotImplementedError
 
+    def encode(self, text: str) -> list[int]:
+        """Text as a model writes it, its special-token text parsed (a tool-call tag may be a
+        special token): for a model turn's ids, never an observation's (encode_text)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     # ---- content as text, the template's markers as special tokens
 
     @functools.cached_property
