@@ -12,7 +12,8 @@ engine's prefix cache reuses the KV of everything before).
     tools.py             Tool, as_tool (a function's JSON schema), ToolInputError
     formats.py           tool calls in the model's text: hermes (<tool_call>{json}), tags (<calc>..</calc>)
     builtin_tools.py     calculator (ast, no eval), python (hflow's code sandbox)
-    tool_calls.py        ToolRunner: tool calls in worker processes of their own, each under a timeout
+    tool_calls.py        ToolRunner: tool calls in worker processes of their own, each under a timeout, queued fairly
+    step_clock.py        StepClock: a step's own time, its tool calls' waits for a worker left out
     tool_environment.py  ToolEnvironment: tools until a final answer, scored by an hflow reward function
     limits.py            AgentLimits: turns, tokens, observation size, timeouts
     session.py           AgentSession: one trajectory's state machine

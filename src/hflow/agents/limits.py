@@ -22,9 +22,13 @@ class AgentLimits:
     """The most tokens of one observation message's content; longer content is cut and marked.
     The chat template's wrapping around it is not counted."""
     tool_timeout_s: float = 10.0
-    """One tool call; a call still running after this is killed and ends its trajectory as tool_timeout."""
+    """One tool call, from when a worker starts running it (its wait for a free worker, and a fresh
+    worker's start and import of the tool, are not counted); a call still running after this is
+    killed and ends its trajectory as tool_timeout. A final answer's score function in a worker
+    has as long (past it the answer scores 0, counted in reward_errors)."""
     step_timeout_s: float = 60.0
-    """One environment step, its tool calls included; past it the trajectory ends as env_timeout."""
+    """One environment step, its tool calls' running included, their waits for a worker not
+    (agents.step_clock); past it the trajectory ends as env_timeout."""
 
     def __post_init__(self):
         problems = []

@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 from hflow.agents.environment import AgentFailure, Environment, StepResult, step_result_problem
 from hflow.agents.limits import AgentLimits
 from hflow.agents.render import Renderer
+from hflow.agents.step_clock import StepClock, run_on
 from hflow.agents.trajectory import (DONE, ENV_ERROR, ENV_TIMEOUT, MAX_TOKENS, MAX_TURN_TOKENS, MAX_TURNS,
                                      NO_END_OF_TURN, Trajectory)
 
@@ -44,13 +45,19 @@ def guarded(fn: Callable, *args) -> EnvReply:
 
 
 def call_with_timeout(fn: Callable[..., EnvReply], args: tuple, timeout_s: float) -> EnvReply:
-    """fn(*args), which catches its own failures (guarded, step_env), on a daemon thread. Python
+    """fn(*args), which catches its own failures (guarded, step_env), on a daemon thread, given
+    `timeout_s` of its own time (step_clock: its tool calls' waits for a worker left out). Python
     cannot stop a thread: one that outlives the timeout is left to finish (or hang) on its own,
     and the trajectory ends as env_timeout."""
     box: list[EnvReply] = []
-    thread = threading.Thread(target=lambda: box.append(fn(*args)), daemon=True, name="hflow-env-step")
+    clock = StepClock()
+    thread = threading.Thread(target=lambda: box.append(run_on(clock, fn, *args)), daemon=True,
+                              name="hflow-env-step")
     thread.start()
-    thread.join(timeout_s)
+    # the clock stands still while the step waits for a worker, so waiting for what is left of its
+    # time never passes its deadline; then look again (the floor: no spinning near the deadline)
+    while thread.is_alive() and (left := timeout_s - clock.elapsed()) > 0:
+        thread.join(max(left, 0.01))
     return box[0] if box else EnvReply(failure=(ENV_TIMEOUT, f"no answer within {timeout_s:g}s"))
 
 

@@ -4,17 +4,23 @@ A call that hangs (in C, in a loop, on a lock) can only be stopped by killing it
 tools run in worker processes of their own (forkserver, spawn where unavailable; never fork: the
 caller holds RPC and torch threads). ToolRunner lends one worker to one caller (an environment
 step, on its own thread) at a time: the calls of different trajectories run side by side in up
-to `max_workers` processes, and a slow one holds up nobody else. A call that overruns its
-timeout has its worker killed (reaped, not left behind) and replaced; a worker that dies is
-replaced too. A fresh worker first loads the tool (imports its module) under `load_timeout`, so
-that a tool's first call is not charged for importing torch. Workers are daemon processes: a
-tool may start subprocesses (the python tool's sandbox) but not `multiprocessing` children.
-Tools marked inline (the calculator) run in the calling thread: a process round trip would cost
-more than they do.
+to `max_workers` processes, and a slow one holds up nobody else. When every worker is busy,
+callers queue first come, first served (a worker coming back goes to the longest waiting, never
+to a caller that arrives later), so a call waits at most for the calls queued before it.
+
+A call's timeout starts when its worker starts running it: the wait for a worker, and a fresh
+worker's start and loading of the tool (imports its module, under `load_timeout`, so that a
+first call is not charged for importing torch), count against neither the call's timeout nor
+its step's (agents.step_clock). A call that overruns its timeout has its worker killed (reaped,
+not left behind) and replaced; a worker that dies is replaced too. Workers are daemon
+processes: a tool may start subprocesses (the python tool's sandbox) but not `multiprocessing`
+children. Tools marked inline (the calculator) run in the calling thread: a process round trip
+would cost more than they do. `score` runs a final answer's score function in the same workers.
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -23,9 +29,11 @@ import pickle
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from hflow.agents.step_clock import waiting_for_a_worker
 from hflow.agents.tools import Tool, invoke
 
 
@@ -38,8 +46,9 @@ class ToolOutcome:
 
 
 def _worker_main(conn) -> None:
-    """Serve ("load", pickled tool) and ("call", pickled tool, arguments as JSON) until told to
-    stop; answers ("loaded",), ("unloadable", why) or invoke's (status, text)."""
+    """Serve ("load", pickled function), ("call", pickled tool, arguments as JSON) and ("apply",
+    pickled function, pickled arguments) until told to stop; answers ("loaded",), ("unloadable",
+    why), invoke's (status, text) to a call and ("ok", its value) or ("error", why) to an apply."""
     # Ctrl-C and SIGTERM are the caller's to handle; the worker ends when its pipe is closed
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -57,9 +66,28 @@ def _worker_main(conn) -> None:
                 reply = ("loaded",)
             except Exception as e:  # e.g. the tool's module does not import in a fresh process
                 reply = ("unloadable", f"cannot load the tool in a worker: {type(e).__name__}: {e}"[:500])
-        else:
+        elif message[0] == "call":
             reply = invoke(tools[message[1]], json.loads(message[2]))
-        conn.send(reply)
+        else:
+            reply = _apply(tools[message[1]], message[2])
+        try:
+            conn.send(reply)
+        except Exception as e:  # a value that does not pickle
+            conn.send(("error", f"cannot return the result: {type(e).__name__}: {e}"[:500]))
+
+
+def _apply(fn: Callable, args_bytes: bytes) -> tuple[str, Any]:
+    try:
+        return "ok", fn(*pickle.loads(args_bytes))
+    except Exception as e:  # the function's own fault
+        return "error", f"{type(e).__name__}: {e}"[:500]
+
+
+def _score_answer(fn: Callable, answer: str, ground_truth, extra: dict) -> tuple[float, Optional[str]]:
+    """In a worker: a final answer's (score, why it failed or None), as rewards scores a response."""
+    from hflow.rewards import score_batch   # already imported with hflow.agents.tools
+    scored = score_batch(fn, [answer], [ground_truth], [extra], inline=True)
+    return scored.scores[0], scored.failures[0]
 
 
 def _context():
@@ -75,27 +103,38 @@ class _Worker:
         self.conn = None
         self.loaded: set[bytes] = set()   # the pickled tools this process holds
 
-    def run(self, fn_bytes: bytes, arguments_json: str, timeout: float, load_timeout: float) -> tuple[str, str]:
-        """invoke's (status, text) from the worker, or ("timeout" | "crash" | "unloadable", why)."""
+    def run(self, fn_bytes: bytes, message: tuple, timeout: float, load_timeout: float) -> tuple:
+        """The worker's answer to `message` (a call or an apply of the function `fn_bytes`), or
+        ("timeout" | "crash" | "unloadable", why). The timeout starts once the worker holds the
+        function: starting the worker and loading it are waits for a worker (step_clock)."""
         try:
             for _ in range(2):
-                if self.process is None or not self.process.is_alive():
-                    self.kill()   # reaps one that died while idle
-                    self._start()
-                if fn_bytes not in self.loaded:
-                    reply = self._ask(("load", fn_bytes), load_timeout, " loading the tool")
-                    if reply is None:
-                        continue
-                    if reply[0] != "loaded":
-                        return reply
-                    self.loaded.add(fn_bytes)
-                reply = self._ask(("call", fn_bytes, arguments_json), timeout, "")
+                with waiting_for_a_worker():
+                    ready = self._ready(fn_bytes, load_timeout)
+                if ready is None:
+                    continue
+                if ready[0] != "loaded":
+                    return ready
+                reply = self._ask(message, timeout, "")
                 if reply is not None:
                     return reply
             return "crash", "a fresh tool worker died before taking the call"
         except BaseException:   # interrupted (e.g. Ctrl-C): its answer would come to the next caller
             self.kill()
             raise
+
+    def _ready(self, fn_bytes: bytes, load_timeout: float) -> Optional[tuple]:
+        """("loaded",) once the process runs and holds the function, the failure to load it, or
+        None when the process died before taking it."""
+        if self.process is None or not self.process.is_alive():
+            self.kill()   # reaps one that died while idle
+            self._start()
+        if fn_bytes in self.loaded:
+            return ("loaded",)
+        reply = self._ask(("load", fn_bytes), load_timeout, " loading the tool")
+        if reply is not None and reply[0] == "loaded":
+            self.loaded.add(fn_bytes)
+        return reply
 
     def _ask(self, message, timeout: float, doing: str) -> Optional[tuple]:
         """The worker's answer, or the failure; None when it died before taking the message."""
@@ -154,8 +193,17 @@ class _Worker:
         self.kill()   # reaps it, or kills it if it did not stop
 
 
+class _Waiting:
+    """A caller queued for a worker: the worker is handed to it, and it is woken."""
+
+    def __init__(self):
+        self.handed = threading.Event()
+        self.worker: Optional[_Worker] = None
+
+
 class ToolRunner:
-    """Calls tools from any number of threads, at most `max_workers` of them in processes at once."""
+    """Calls tools from any number of threads, at most `max_workers` of them in processes at
+    once, the others queued first come, first served."""
 
     def __init__(self, max_workers: int = 4, load_timeout: float = 120.0):
         if max_workers < 1:
@@ -163,9 +211,10 @@ class ToolRunner:
         self.max_workers = max_workers
         self.load_timeout = load_timeout   # importing a tool's module (torch, sympy) is slow, once
         self._ctx = _context()
+        self._lock = threading.Lock()
         self._free: list[_Worker] = []
         self._made = 0
-        self._available = threading.Condition()
+        self._queue: deque[_Waiting] = deque()
         self._closed = False
 
     def call(self, tool: Tool, arguments: dict, timeout_s: float) -> ToolOutcome:
@@ -180,42 +229,80 @@ class ToolRunner:
         except Exception as e:   # a lambda, a function inside a function
             return ToolOutcome("error", f"the tool {tool.fn!r} cannot be sent to worker processes ({e}): define it "
                                         "at module level of an importable module")
-        worker = self._borrow()
-        try:
-            status, text = worker.run(fn_bytes, arguments_json, timeout_s, self.load_timeout)
-        finally:
-            self._give_back(worker)
+        status, text = self._run(fn_bytes, ("call", fn_bytes, arguments_json), timeout_s)
         if status in ("timeout", "crash", "unloadable"):   # the worker's failure, not the tool's answer
             return ToolOutcome("timeout" if status == "timeout" else "error", f"{tool.name}: {text}")
         return ToolOutcome(status, text)
 
+    def score(self, fn: Callable, answer: str, ground_truth, extra: dict, timeout_s: float) -> tuple[float, Optional[str]]:
+        """A final answer's score by `fn` (an hflow score function) in a worker, and None or why
+        it scored 0: it raised, returned garbage, overran `timeout_s` or killed its worker.
+        (hflow.rewards' shared pool scores one batch at a time: one trajectory's answer each,
+        every trajectory would queue behind one lock.)"""
+        try:
+            fn_bytes = pickle.dumps(functools.partial(_score_answer, fn))
+            args_bytes = pickle.dumps((answer, ground_truth, extra))
+        except Exception as e:
+            return 0.0, f"the score function or its ground truth cannot be sent to worker processes: {e}"[:500]
+        status, value = self._run(fn_bytes, ("apply", fn_bytes, args_bytes), timeout_s)
+        return value if status == "ok" else (0.0, f"{status}: {value}")
+
+    def _run(self, fn_bytes: bytes, message: tuple, timeout_s: float) -> tuple:
+        with waiting_for_a_worker():
+            worker = self._borrow()
+        try:
+            return worker.run(fn_bytes, message, timeout_s, self.load_timeout)
+        finally:
+            self._give_back(worker)
+
     def _borrow(self) -> _Worker:
-        with self._available:
-            while True:
-                if self._closed:
-                    raise RuntimeError("the tool runner is closed")
-                if self._free:
-                    return self._free.pop()
-                if self._made < self.max_workers:
-                    self._made += 1
-                    return _Worker(self._ctx)
-                self._available.wait()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the tool runner is closed")
+            if self._free:   # only while nobody is queued: a worker given back goes to the queue first
+                return self._free.pop()
+            if self._made < self.max_workers:
+                self._made += 1
+                return _Worker(self._ctx)
+            waiting = _Waiting()
+            self._queue.append(waiting)
+        try:
+            waiting.handed.wait()
+        except BaseException:   # interrupted while queued: leave the queue, or pass on a worker just handed over
+            with self._lock:
+                handed = waiting.worker
+                if handed is None:
+                    self._queue.remove(waiting)
+            if handed is not None:
+                self._give_back(handed)
+            raise
+        if waiting.worker is None:
+            raise RuntimeError("the tool runner is closed")
+        return waiting.worker
 
     def _give_back(self, worker: _Worker) -> None:
-        with self._available:
+        with self._lock:
             closed = self._closed
+            if not closed and self._queue:
+                # straight to the longest waiting: a caller arriving now cannot take it first
+                waiting = self._queue.popleft()
+                waiting.worker = worker
+                waiting.handed.set()
+                return
             if not closed:
                 self._free.append(worker)
-            self._available.notify()
         if closed:
             worker.stop()
 
     def close(self) -> None:
-        """Stop the idle workers now (a worker lent out stops when it comes back)."""
-        with self._available:
+        """Stop the idle workers now (a worker lent out stops when it comes back); callers still
+        queued are told the runner is closed."""
+        with self._lock:
             self._closed = True
             free, self._free = self._free, []
-            self._available.notify_all()
+            queued, self._queue = list(self._queue), deque()
+        for waiting in queued:
+            waiting.handed.set()
         for worker in free:
             worker.stop()
 

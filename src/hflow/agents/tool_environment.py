@@ -94,8 +94,16 @@ class ToolEnvironment(Environment):
         return StepResult(messages, 0.0, done=False, info={"tool_calls": len(calls), "bad_tool_calls": bad})
 
     def score(self, answer: str) -> tuple[float, int]:
-        """The final answer's reward and whether scoring it failed (then it is 0, as in rewards)."""
+        """The final answer's reward and whether scoring it failed (then it is 0, as in rewards).
+        A function marked inline_safe (the fast built-ins) scores here; any other in a tool
+        worker, under `limits.tool_timeout_s`, queued with the tool calls: every trajectory
+        scores its own answer when it ends, and rewards' shared pool, which scores one batch at
+        a time, would queue them all behind one lock."""
         if self.reward_fn is None:
             return 0.0, 0
-        scored = score_batch(self.reward_fn, [answer], [self.ground_truth], [self.extra])
-        return scored.scores[0], int(scored.failures[0] is not None)
+        if getattr(self.reward_fn, "inline_safe", False):
+            scored = score_batch(self.reward_fn, [answer], [self.ground_truth], [self.extra], inline=True)
+            return scored.scores[0], int(scored.failures[0] is not None)
+        score, failure = self.runner.score(self.reward_fn, answer, self.ground_truth, self.extra,
+                                           self.limits.tool_timeout_s)
+        return score, int(failure is not None)

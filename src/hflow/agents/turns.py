@@ -13,7 +13,9 @@
                 llm.add_request(ids, SamplingParams(max_tokens=s.max_new_tokens()), request_id=key)
 
 The environments' steps (their tool calls) run on threads while the engine keeps stepping the
-other sessions; the sessions' token bookkeeping stays on the caller's thread.
+other sessions; the sessions' token bookkeeping stays on the caller's thread. A step's timeout
+counts the step's own time (agents.step_clock): not the time its tool calls wait for a tool
+worker, so that hundreds of trajectories sharing a few workers do not time out for want of one.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from collections.abc import Hashable
 from typing import Callable, Optional, Sequence
 
 from hflow.agents.session import AgentSession, EnvReply
+from hflow.agents.step_clock import StepClock, run_on
 from hflow.agents.trajectory import ENV_TIMEOUT, Trajectory
 
 Generate = Callable[[list[int], int], tuple[Sequence[int], Sequence[float]]]
@@ -42,11 +45,12 @@ def run_episode(session: AgentSession, generate: Generate) -> Trajectory:
 
 class TurnRunner:
     """Steps many sessions' environments at once, each on its own thread under the session's
-    `limits.step_timeout_s`; `collect` hands back the results as they come."""
+    `limits.step_timeout_s` of its own time (its tool calls' waits for a worker left out);
+    `collect` hands back the results as they come."""
 
     def __init__(self):
-        self._done: queue.Queue = queue.Queue()
-        self._pending: dict[Hashable, tuple[AgentSession, float, int]] = {}   # key -> (session, deadline, ticket)
+        self._done: queue.Queue = queue.Queue()   # (key, ticket, reply), or None: a clock runs again
+        self._pending: dict[Hashable, tuple[AgentSession, StepClock, int]] = {}   # key -> (session, clock, ticket)
         self._tickets = itertools.count()
 
     @property
@@ -60,12 +64,14 @@ class TurnRunner:
             raise ValueError(f"session {key!r} already has a turn in flight")
         text = session.begin_turn(token_ids, logprobs)
         ticket = next(self._tickets)
-        self._pending[key] = (session, time.monotonic() + session.limits.step_timeout_s, ticket)
+        # a clock that runs again after a wait wakes collect, which does not count on it while it waits
+        clock = StepClock(on_resume=lambda: self._done.put(None))
+        self._pending[key] = (session, clock, ticket)
         if text is None:
             self._done.put((key, ticket, None))
             return
-        # the step's timeout is kept here, by its deadline: a hung thread is simply never waited for
-        threading.Thread(target=lambda: self._done.put((key, ticket, session.step_env(text))),
+        # the step's timeout is kept here, on its clock: a hung thread is simply never waited for
+        threading.Thread(target=lambda: self._done.put((key, ticket, run_on(clock, session.step_env, text))),
                          daemon=True, name="hflow-env-step").start()
 
     def collect(self, timeout: Optional[float] = 0.0) -> list[tuple[Hashable, Optional[list[int]]]]:
@@ -75,24 +81,32 @@ class TurnRunner:
         results = []
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._pending and not results:
-            now = time.monotonic()
-            wait = min(d for _, d, _ in self._pending.values()) - now
+            wait = self._time_left()
             if deadline is not None:
-                wait = min(wait, deadline - now)
+                left = deadline - time.monotonic()
+                wait = left if wait is None else min(wait, left)
             try:
-                item = self._done.get(timeout=max(0.0, wait))
+                item = self._done.get(timeout=None if wait is None else max(0.0, wait))
             except queue.Empty:
                 item = None
-            while item is not None:
-                results.extend(self._finish(*item))
+            while True:
+                if item is not None:
+                    results.extend(self._finish(*item))
                 try:
                     item = self._done.get_nowait()
                 except queue.Empty:
-                    item = None
+                    break
             results.extend(self._expire())
             if deadline is not None and time.monotonic() >= deadline:
                 break
         return results
+
+    def _time_left(self) -> Optional[float]:
+        """Until the first running step's deadline; None when every step waits for a worker (its
+        clock stopped: it wakes collect when it runs again)."""
+        left = [s.limits.step_timeout_s - clock.elapsed() for s, clock, _ in self._pending.values()
+                if not clock.waiting]
+        return min(left) if left else None
 
     def _finish(self, key, ticket, reply: Optional[EnvReply]) -> list:
         entry = self._pending.get(key)
@@ -102,8 +116,7 @@ class TurnRunner:
         return [(key, None if reply is None else session.end_turn(reply))]
 
     def _expire(self) -> list:
-        now = time.monotonic()
-        late = [k for k, (_, d, _) in self._pending.items() if d <= now]
+        late = [k for k, (s, clock, _) in self._pending.items() if clock.elapsed() >= s.limits.step_timeout_s]
         out = []
         for key in late:
             session = self._pending.pop(key)[0]
