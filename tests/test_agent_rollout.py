@@ -348,3 +348,26 @@ def test_a_chat_prompt_is_rendered_once_and_a_text_prompt_as_it_is(eot_model, to
         for k in range(len(batch)):
             ids = batch["input_ids"][k][batch["attention_mask"][k].bool()].tolist()
             assert ids[:len(prompts[k // 2].prompt_ids)] == prompts[k // 2].prompt_ids, (chat, k)
+
+
+def test_a_rollouts_figures_count_each_way_trajectories_failed():
+    """agent/failures/<reason>: how many trajectories of the batch ended by each failure (the known
+    ones always, at 0 when none did; an environment's own AgentFailure reason when it happens),
+    and how many answers the reward function failed on (reward_fn)."""
+    from hflow.agents import Segment, Trajectory, trajectory_columns, trajectory_tensors
+
+    def ended(reason, failed=None, reward_errors=0):
+        t = Trajectory([5, 6], [Segment([7, EOS], [-0.1, -0.2])])
+        t.finish(reason, None if reason == "done" else f"{reason} happened", failed)
+        t.counts["reward_errors"] = reward_errors
+        return t
+    trajs = [ended("done"), ended("done", reward_errors=1), ended("env_timeout"), ended("tool_crash"),
+             ended("tool_crash"), ended("judge_down", failed=True), ended("max_turns")]
+    batch = Batch({**trajectory_tensors(trajs, pad_id=0), **trajectory_columns(trajs),
+                   "prompt_tokens": torch.zeros(len(trajs), dtype=torch.long)})
+    metrics = agent_rollout_metrics(batch)
+    assert {k: v for k, v in metrics.items() if k.startswith("agent/failures/")} == {
+        "agent/failures/env_error": 0, "agent/failures/env_timeout": 1, "agent/failures/tool_error": 0,
+        "agent/failures/tool_timeout": 0, "agent/failures/tool_crash": 2, "agent/failures/bad_tool_call": 0,
+        "agent/failures/judge_down": 1, "agent/failures/reward_fn": 1}
+    assert metrics["agent/failed"] == pytest.approx(4 / 7) and metrics["agent/finish/tool_crash"] == pytest.approx(2 / 7)

@@ -193,6 +193,11 @@ def test_trajectories_in_the_batch_layout(tok):
     metrics = agent_metrics([done, short, failed])
     assert metrics["agent/finish/done"] == pytest.approx(2 / 3) and metrics["agent/finish/env_error"] == pytest.approx(1 / 3)
     assert metrics["agent/tool_calls"] == pytest.approx(1 / 3) and metrics["agent/failed"] == pytest.approx(1 / 3)
+    # each way to fail counted, by trajectories, those that did not happen too (a chart's line does not break)
+    assert {k: v for k, v in metrics.items() if k.startswith("agent/failures/")} == {
+        "agent/failures/env_error": 1, "agent/failures/env_timeout": 0, "agent/failures/tool_error": 0,
+        "agent/failures/tool_timeout": 0, "agent/failures/tool_crash": 0, "agent/failures/bad_tool_call": 0,
+        "agent/failures/reward_fn": 0}
     with pytest.raises(ValueError, match="failed at reset"):
         trajectory_tensors([session(tok, Scripted([], reset=fail(OSError()))).trajectory], pad_id=0)
 
@@ -271,6 +276,16 @@ def explode(x: int) -> str:
     raise ZeroDivisionError("inside the tool")
 
 
+def crash(code: int) -> str:
+    """End the worker's process, as a segfault in C would.
+
+    Args:
+        code: The exit code.
+    """
+    import os
+    os._exit(code)
+
+
 def nonsense(x: int) -> str:
     """Return a set, which is not text.
 
@@ -292,9 +307,11 @@ def runner():
     ("<hang>60</hang>", "tool_timeout", "timeout after 1s"),
     ("<explode>1</explode>", "tool_error", "ZeroDivisionError: inside the tool"),
     ("<nonsense>1</nonsense>", "tool_error", "returned garbage: set"),
+    ("<crash>7</crash>", "tool_crash", "crash: worker died (exit code 7)"),
 ])
 def test_a_tool_that_hangs_raises_or_returns_garbage_ends_its_trajectory(tok, runner, turn, reason, error):
-    env = ToolEnvironment(["calculator", hang, explode, nonsense], format="tags", reward_fn="arithmetic", runner=runner)
+    env = ToolEnvironment(["calculator", hang, explode, nonsense, crash], format="tags", reward_fn="arithmetic",
+                          runner=runner)
     start = time.monotonic()
     trajectory = run_episode(session(tok, env, AgentLimits(tool_timeout_s=1.0)),
                              Script(tok, ["<calc>27*82</calc>", turn, "2214"]))

@@ -217,7 +217,7 @@ def test_hanging_tools_time_out_side_by_side(runner):
 def test_a_worker_that_dies_is_replaced_and_none_is_left_behind(runner):
     # other runners' workers (the shared runner of earlier tests in this process) are not this one's
     others = {p.pid for p in mp.active_children()} - {w.process.pid for w in runner._free if w.process is not None}
-    assert runner.call(as_tool(die), {"code": 3}, 30.0) == ToolOutcome("error", "die: worker died (exit code 3)")
+    assert runner.call(as_tool(die), {"code": 3}, 30.0) == ToolOutcome("crash", "die: worker died (exit code 3)")
     assert runner.call(as_tool(nap), {"seconds": 0}, 30.0).text == "slept 0"   # in a fresh worker
     idle = next(w.process for w in runner._free if w.process is not None)
     os.kill(idle.pid, signal.SIGKILL)   # dies while idle: the next call that gets it starts a fresh one

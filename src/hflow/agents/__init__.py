@@ -18,7 +18,7 @@ engine's prefix cache reuses the KV of everything before).
     limits.py            AgentLimits: turns, tokens, observation size, timeouts
     session.py           AgentSession: one trajectory's state machine
     turns.py             run_episode (one session, a generate function), TurnRunner (many, beside an engine)
-    tensors.py           trajectories -> the batch layout (hflow.layout)
+    tensors.py           trajectories -> the batch layout (hflow.layout) and their columns
     registry.py          environments by name: BUILTIN_ENVIRONMENTS, environment_factory (--agent.env)
     rollout_figures.py   a rollout batch's figures and failed trajectories, on the controller
 """
@@ -37,13 +37,13 @@ _EXPORTS = {
     "ToolOutcome": "tool_calls", "ToolRunner": "tool_calls", "shared_runner": "tool_calls",
     "AgentSession": "session", "EnvReply": "session",
     "TurnRunner": "turns", "run_episode": "turns",
-    "trajectory_rewards": "tensors", "trajectory_tensors": "tensors",
+    "trajectory_columns": "tensors", "trajectory_rewards": "tensors", "trajectory_tensors": "tensors",
     "ToolEnvironment": "tool_environment",
     "BUILTIN_TOOLS": "tools", "Tool": "tools", "ToolInputError": "tools", "as_tool": "tools", "tool": "tools",
     "tool_schema": "tools",
     "BUILTIN_ENVIRONMENTS": "registry", "EnvSpec": "registry", "environment_factory": "registry",
     "agent_rollout_metrics": "rollout_figures", "environment_failures": "rollout_figures",
-    "FAILURES": "trajectory", "Segment": "trajectory", "Trajectory": "trajectory", "agent_metrics": "trajectory",
+    "FAILURES": "trajectory", "Segment": "trajectory", "failure_counts": "trajectory", "Trajectory": "trajectory", "agent_metrics": "trajectory",
 }
 __all__ = sorted(_EXPORTS)
 

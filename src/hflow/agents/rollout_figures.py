@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
+from hflow.agents.trajectory import failure_counts, failure_of
 from hflow.batch import Batch
 
 
@@ -20,8 +21,9 @@ def environment_failures(batch: Batch) -> list[Optional[str]]:
 
 def agent_rollout_metrics(batch: Batch, prefix: str = "agent/") -> dict[str, float]:
     """A rollout's figures from its columns (so on the controller, over every rank's rows):
-    turns, model vs observation tokens, tool calls, failures, how trajectories ended, and the
-    share of turn prompts the prefix cache supplied."""
+    turns, model vs observation tokens, tool calls, failures, how trajectories ended (a fraction
+    each), how many failed each way (failures/<reason>, counts: trajectory.failure_counts), and
+    the share of turn prompts the prefix cache supplied."""
     n = len(batch)
     real = batch["attention_mask"][:, -batch["response_mask"].shape[1]:].float()
     model = batch["response_mask"].float().sum(1)
@@ -39,4 +41,6 @@ def agent_rollout_metrics(batch: Batch, prefix: str = "agent/") -> dict[str, flo
         metrics[f"{prefix}prefill_reused_fraction"] = 1.0 - int(batch["prefill_tokens"].sum()) / total
     for reason, k in sorted(Counter(r or "unfinished" for r in batch["finish_reason"]).items()):
         metrics[f"{prefix}finish/{reason}"] = k / n
+    metrics.update(failure_counts(map(failure_of, batch["finish_reason"], batch["failed"].tolist(),
+                                      batch["reward_errors"].tolist()), prefix))
     return metrics

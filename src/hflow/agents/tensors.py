@@ -1,4 +1,5 @@
-"""Trajectories into the batch layout of hflow.layout, observation tokens masked out."""
+"""Trajectories into the batch layout of hflow.layout, observation tokens masked out, and the
+columns that say how each went."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -32,3 +33,22 @@ def trajectory_tensors(trajectories: Sequence[Trajectory], pad_id: int, response
 def trajectory_rewards(trajectories: Sequence[Trajectory], discount: float = 1.0) -> torch.Tensor:
     """[B] float32: each trajectory's reward (its turns' rewards, discounted; 0 for a failure)."""
     return torch.tensor([t.reward(discount) for t in trajectories], dtype=torch.float32)
+
+
+def trajectory_columns(trajectories: Sequence[Trajectory]) -> dict:
+    """Per trajectory, what a rollout batch says besides its tokens (rollout_figures reads them):
+    how it ended, its reward, its turns and counted events."""
+    def count(key: str) -> torch.Tensor:
+        return torch.tensor([t.counts.get(key, 0) for t in trajectories], dtype=torch.long)
+    return {
+        "finish_reason": [t.finish_reason for t in trajectories],
+        "agent_error": [t.error for t in trajectories],
+        "model_text": [t.model_text() for t in trajectories],
+        "trajectory_reward": trajectory_rewards(trajectories),
+        "turns": torch.tensor([t.num_turns for t in trajectories], dtype=torch.long),
+        "failed": torch.tensor([t.failed for t in trajectories], dtype=torch.bool),
+        "tool_calls": count("tool_calls"),
+        "bad_tool_calls": count("bad_tool_calls"),
+        # final answers whose reward function failed (a built-in's --reward.fn): scored 0, not failed
+        "reward_errors": count("reward_errors"),
+    }

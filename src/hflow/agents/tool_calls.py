@@ -40,7 +40,8 @@ from hflow.agents.tools import Tool, invoke
 @dataclass(frozen=True)
 class ToolOutcome:
     status: str
-    """ok | bad_input (the model's mistake, told to it) | error (raised, garbage, crash) | timeout."""
+    """ok | bad_input (the model's mistake, told to it) | error (raised, garbage, not loadable) |
+    timeout | crash (its worker process died)."""
     text: str
     """The result, or what went wrong."""
 
@@ -231,7 +232,7 @@ class ToolRunner:
                                         "at module level of an importable module")
         status, text = self._run(fn_bytes, ("call", fn_bytes, arguments_json), timeout_s)
         if status in ("timeout", "crash", "unloadable"):   # the worker's failure, not the tool's answer
-            return ToolOutcome("timeout" if status == "timeout" else "error", f"{tool.name}: {text}")
+            return ToolOutcome("error" if status == "unloadable" else status, f"{tool.name}: {text}")
         return ToolOutcome(status, text)
 
     def score(self, fn: Callable, answer: str, ground_truth, extra: dict, timeout_s: float) -> tuple[float, Optional[str]]:

@@ -8,8 +8,9 @@
 A turn without a tool call is the final answer: done, scored by `reward_fn` (an hflow score
 function, by name or callable: `fn(answer_text, row[answer_key], **other columns)`; none: 0).
 A malformed call or a tool's ToolInputError is told to the model and counted (bad_tool_calls),
-or, with `end_on_bad_call`, ends the trajectory. A tool that raises, returns garbage or crashes
-ends it as tool_error, one that outlives `limits.tool_timeout_s` as tool_timeout.
+or, with `end_on_bad_call`, ends the trajectory. A tool that raises or returns garbage ends it as
+tool_error, one whose worker dies under it as tool_crash, one that outlives
+`limits.tool_timeout_s` as tool_timeout.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hflow.agents.environment import AgentFailure, Environment, StepResult
 from hflow.agents.formats import BadCall, ToolCall, get_format
 from hflow.agents.tool_calls import ToolRunner, shared_runner
 from hflow.agents.tools import Tool, as_tool
-from hflow.agents.trajectory import BAD_TOOL_CALL, TOOL_ERROR, TOOL_TIMEOUT
+from hflow.agents.trajectory import BAD_TOOL_CALL, TOOL_CRASH, TOOL_ERROR, TOOL_TIMEOUT
 from hflow.rewards import get_reward_fn, score_batch
 
 
@@ -83,6 +84,8 @@ class ToolEnvironment(Environment):
                     raise AgentFailure(TOOL_TIMEOUT, outcome.text)
                 if outcome.status == "error":
                     raise AgentFailure(TOOL_ERROR, outcome.text)
+                if outcome.status == "crash":
+                    raise AgentFailure(TOOL_CRASH, outcome.text)
                 if outcome.status == "bad_input":
                     if self.end_on_bad_call:
                         raise AgentFailure(BAD_TOOL_CALL, outcome.text)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 # How a trajectory ended. The failures score 0 whatever the environment's rewards were: a broken
 # tool or environment is no evidence about the policy.
@@ -19,13 +19,16 @@ MAX_TURNS = "max_turns"
 MAX_TOKENS = "max_tokens"            # the response budget: a turn cut short, or no room for the next observation
 MAX_TURN_TOKENS = "max_turn_tokens"  # one turn hit its own cap before its end-of-turn token
 NO_END_OF_TURN = "no_end_of_turn"    # the model stopped on another stop token while the environment wanted more
-TOOL_ERROR = "tool_error"            # a tool raised, crashed its worker or returned garbage
-TOOL_TIMEOUT = "tool_timeout"
+TOOL_ERROR = "tool_error"            # a tool raised, returned garbage or could not be loaded in a worker
+TOOL_TIMEOUT = "tool_timeout"        # a tool call ran past limits.tool_timeout_s
+TOOL_CRASH = "tool_crash"            # a tool's worker process died under it (a segfault, the OOM killer)
 ENV_ERROR = "env_error"              # reset/step raised or returned garbage, or its observation did not render
-ENV_TIMEOUT = "env_timeout"
+ENV_TIMEOUT = "env_timeout"          # a step ran past limits.step_timeout_s of its own time
 BAD_TOOL_CALL = "bad_tool_call"      # only when the environment ends trajectories on malformed calls
 
-FAILURES = frozenset({TOOL_ERROR, TOOL_TIMEOUT, ENV_ERROR, ENV_TIMEOUT, BAD_TOOL_CALL})
+FAILURES = frozenset({TOOL_ERROR, TOOL_TIMEOUT, TOOL_CRASH, ENV_ERROR, ENV_TIMEOUT, BAD_TOOL_CALL})
+# Not a way to end: the trajectory ended, but the score function failed on its final answer (scored 0).
+REWARD_FN_FAILED = "reward_fn"
 
 
 @dataclass
@@ -127,9 +130,27 @@ class Trajectory:
         return math.fsum(r * discount ** t for t, r in enumerate(self.turn_rewards))
 
 
+def failure_of(finish_reason: Optional[str], failed: bool, reward_errors: int) -> Optional[str]:
+    """Why a trajectory's reward is 0 for want of a working environment: the failure that ended
+    it, or REWARD_FN_FAILED; None when nothing failed (running out of turns or tokens is the
+    policy's doing)."""
+    if failed:
+        return finish_reason
+    return REWARD_FN_FAILED if reward_errors else None
+
+
+def failure_counts(failures: Iterable[Optional[str]], prefix: str = "agent/") -> dict[str, int]:
+    """failures/<reason>: how many trajectories failed each way (failure_of's), every known way
+    included at 0, so that a run's charts have each line at every step."""
+    counts = Counter(f for f in failures if f)
+    reasons = sorted(FAILURES | {REWARD_FN_FAILED} | set(counts))
+    return {f"{prefix}failures/{reason}": counts[reason] for reason in reasons}
+
+
 def agent_metrics(trajectories: Sequence[Trajectory], prefix: str = "agent/") -> dict[str, float]:
-    """Means of turns and token counts, the counted events per trajectory, and the fraction of
-    trajectories that ended each way (finish/<reason>)."""
+    """Means of turns and token counts, the counted events per trajectory, the fraction of
+    trajectories that ended each way (finish/<reason>) and how many failed each way
+    (failures/<reason>)."""
     n = len(trajectories)
     if not n:
         return {}
@@ -145,4 +166,6 @@ def agent_metrics(trajectories: Sequence[Trajectory], prefix: str = "agent/") ->
     metrics.update({f"{prefix}{key}": value / n for key, value in sorted(counts.items())})
     reasons = Counter(t.finish_reason or "unfinished" for t in trajectories)
     metrics.update({f"{prefix}finish/{reason}": k / n for reason, k in sorted(reasons.items())})
+    metrics.update(failure_counts((failure_of(t.finish_reason, t.failed, t.counts.get("reward_errors", 0))
+                                   for t in trajectories), prefix))
     return metrics

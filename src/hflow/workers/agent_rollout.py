@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 
 from hflow.agents import (AgentLimits, AgentSession, ChatRenderer, Environment, Segment, TextRenderer,
-                          Trajectory, TurnRunner, trajectory_tensors)
+                          Trajectory, TurnRunner, trajectory_columns, trajectory_tensors)
 from hflow.agents.registry import EnvSpec, environment_factory
 from hflow.agents.trajectory import MAX_TOKENS
 from hflow.batch import Batch
@@ -160,16 +160,7 @@ def sample_agent(llm: LLM, rows: Batch, env: EnvSpec, rollout: RolloutConfig, li
     tensors = trajectory_tensors(trajs, pad_id, response_len=R, prompt_len=P)
     columns = {
         **tensors,
-        "finish_reason": [t.finish_reason for t in trajs],
-        "agent_error": [t.error for t in trajs],
-        "model_text": [t.model_text() for t in trajs],
-        "trajectory_reward": torch.tensor([t.reward() for t in trajs], dtype=torch.float32),
-        "turns": torch.tensor([t.num_turns for t in trajs], dtype=torch.long),
-        "failed": torch.tensor([t.failed for t in trajs], dtype=torch.bool),
-        "tool_calls": torch.tensor([t.counts.get("tool_calls", 0) for t in trajs], dtype=torch.long),
-        "bad_tool_calls": torch.tensor([t.counts.get("bad_tool_calls", 0) for t in trajs], dtype=torch.long),
-        # final answers whose reward function failed (a built-in's --reward.fn): scored 0, not failed
-        "reward_errors": torch.tensor([t.counts.get("reward_errors", 0) for t in trajs], dtype=torch.long),
+        **trajectory_columns(trajs),
         "prompt_tokens": torch.tensor([counts.total[k] for k in keys], dtype=torch.long),
     }
     columns["prefill_tokens"] = torch.tensor([counts.computed[k] for k in keys], dtype=torch.long)
