@@ -18,3 +18,13 @@ def slow_match(response: str, ground_truth, **extra) -> float:
     """A score function that takes half a second (a judge model, a test suite): 1 for the answer."""
     time.sleep(0.5)
     return float(response.strip() == str(ground_truth))
+
+
+def crash(code: int) -> str:
+    """End the worker's process, as a segfault in C would.
+
+    Args:
+        code: The exit code.
+    """
+    import os
+    os._exit(code)

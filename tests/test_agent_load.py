@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from agent_load_tools import nap, slow_match
+from agent_load_tools import crash, nap, slow_match
 from hflow.agents import AgentLimits, AgentSession, TextRenderer, ToolEnvironment, ToolRunner, TurnRunner, as_tool
 
 
@@ -126,3 +126,81 @@ def test_the_tool_pool_serves_calls_first_come_first_served():
         hogging.join()
     # one call ahead (the hog's), so a wait of about one call; the old pool let the hog barge in
     assert max(waits) < 2 * call_s + 0.5, waits
+
+
+# ---------------------------------------------------------------- hundreds in flight
+
+class RecordingRunner(ToolRunner):
+    """Notes each nap's (asked, started, seconds): when its caller asked for it, when a worker
+    started running it (the nap says), how long it slept."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.naps, self._noting = [], threading.Lock()
+
+    def call(self, tool, arguments, timeout_s):
+        asked = time.monotonic()
+        outcome = super().call(tool, arguments, timeout_s)
+        if tool.name == "nap" and outcome.status == "ok":
+            with self._noting:
+                self.naps.append((asked, float(outcome.text), arguments["seconds"]))
+        return outcome
+
+
+def load_turns(key: int) -> list[str]:
+    """Two calls of 0.2-1 s (the same for a key on every run), then the answer; a few trajectories
+    call a tool that overruns its timeout or kills its worker instead."""
+    import random
+    rng = random.Random(key)
+    first = f"<nap>{rng.uniform(0.2, 1.0):.2f}</nap>"
+    if key % 60 == 7:
+        first = "<nap>3.0</nap>"
+    elif key % 100 == 42:
+        first = "<crash>9</crash>"
+    return [first, f"<nap>{rng.uniform(0.2, 1.0):.2f}</nap>", str(key * 3)]
+
+
+def test_hundreds_of_trajectories_with_slow_tools_none_starved_none_timed_out_for_the_queue(tok):
+    """300 trajectories in flight at once, two 0.2-1 s calls each on 32 workers: calls wait up to
+    ~10 s for a worker, past the 3 s step timeout, yet only the trajectories whose own call
+    overran (5) or crashed its worker (3) fail, each counted by reason. No call waits longer
+    than the calls queued before it take."""
+    from hflow.agents import agent_rollout_metrics, trajectory_columns, trajectory_tensors
+    from hflow.batch import Batch
+    import torch
+    n, workers, longest_call = 300, 32, 1.0
+    limits = AgentLimits(tool_timeout_s=2.0, step_timeout_s=3.0)
+    renderer = TextRenderer(tok)
+    with RecordingRunner(max_workers=workers) as runner:
+        warm(runner)
+        runner.naps.clear()
+        sessions = {key: AgentSession(ToolEnvironment([nap, crash], format="tags", reward_fn="arithmetic",
+                                                      runner=runner),
+                                      renderer, {"prompt": f"{key}*3=", "answer": str(key * 3)}, limits)
+                    for key in range(n)}
+        start = time.monotonic()
+        drive(tok, sessions, load_turns)
+        elapsed = time.monotonic() - start
+        naps = sorted(runner.naps)
+
+    trajs = [s.trajectory for s in sessions.values()]
+    batch = Batch({**trajectory_tensors(trajs, pad_id=tok.pad_token_id), **trajectory_columns(trajs),
+                   "prompt_tokens": torch.zeros(n, dtype=torch.long)})
+    metrics = agent_rollout_metrics(batch)
+    failures = {k.removeprefix("agent/failures/"): v for k, v in metrics.items() if k.startswith("agent/failures/") and v}
+    waits = [started - asked for asked, started, _ in naps]
+    # first come first served: a call waits for those asked before it and not yet started, a
+    # worker's turn each (at most one call long), plus one call for a worker to come free
+    ahead = [sum(1 for a, s, _ in naps if a < asked and s > asked) for asked, _, _ in naps]
+    over = [(w, k) for w, k in zip(waits, ahead) if w > (k / workers + 1) * longest_call + 1.5]
+    slept = sum(seconds for _, _, seconds in naps)
+    print(f"\n{n} trajectories, {len(naps)} naps ({slept:.0f} s asleep) on {workers} workers in {elapsed:.1f} s "
+          f"({slept / elapsed / workers:.0%} of the workers' time); wait for a worker: median "
+          f"{sorted(waits)[len(waits) // 2]:.2f} s, max {max(waits):.2f} s (at most {max(ahead)} calls ahead); "
+          f"failures {failures}; finish/done {metrics['agent/finish/done']:.3f}")
+    assert failures == {"tool_timeout": 5, "tool_crash": 3}, {k: s.trajectory.error for k, s in sessions.items()
+                                                                if s.trajectory.failed}
+    assert metrics["agent/finish/done"] == pytest.approx((n - 8) / n) == metrics["agent/trajectory_reward"]
+    assert max(waits) > limits.step_timeout_s   # the queue was long enough to have timed steps out before
+    assert not over, over[:5]
+    assert elapsed < 45, elapsed
