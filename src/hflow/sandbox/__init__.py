@@ -77,9 +77,11 @@ program past the audit hook can run commands and reach the network as the sandbo
 the trainer is not root, as the trainer's own user, who may read the trainer's memory through
 /proc (the expected values too). For hostile code at scale a VM boundary (gVisor, Firecracker)
 is the stronger one. And the parent's own part of a test runs in the reward worker on values the
-solution chose: bounded by size limits and a step budget, and for what they miss (``sum(f(x),
-[])`` on a long list) by the reward pool's timeout. Linux only (/proc, RLIMIT_NPROC as Linux
-counts it); tests/test_code_sandbox.py holds the attacks (tests/attacks) each layer must stop.
+solution chose: bounded by size limits (a range counts its length), a step budget, sets and dicts
+refused with more than a few values of one hash (building them is quadratic) and, where the check
+runs alone in its process, an address-space limit; for what they miss (``sum(f(x), [])`` on a
+long list) by the reward pool's timeout. Linux only (/proc, RLIMIT_NPROC as Linux counts it);
+tests/test_code_sandbox.py holds the attacks (tests/attacks) each layer must stop.
 
     run_tests       one program against its tests (run.py: processes, limits, the report)
     probes.py       a test split into the solution's probes and the rest; the program's report read
