@@ -19,6 +19,7 @@ import pytest
 from hflow.rewards.code import code_score
 from hflow.sandbox import SANDBOX_SLOTS, SANDBOX_UID_BASE, SandboxLimits, run_tests, sandbox_isolation
 from hflow.sandbox import uids as sandbox_uids
+from hflow.sandbox.workdir import sweep_stale
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTACKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attacks")
@@ -190,8 +191,9 @@ def test_a_program_whose_parent_dies_ends_at_its_own_alarm():
     while sandbox_processes():
         assert time.monotonic() - orphaned < 3 + 1 + SLACK, sandbox_processes()
         time.sleep(0.05)
-    for path in set(glob.glob(os.path.join(tempfile.gettempdir(), "hflow-sandbox-*"))) - before:
-        shutil.rmtree(path)  # the killed parent's
+    left = set(glob.glob(os.path.join(tempfile.gettempdir(), "hflow-sandbox-*"))) - before
+    assert len(left) == 1  # the killed parent's, which the next process's first run sweeps
+    assert set(sweep_stale(tempfile.gettempdir())) >= left and not any(map(os.path.lexists, left))
 
 
 def test_preloading_is_decided_by_what_others_may_read():

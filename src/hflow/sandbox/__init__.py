@@ -57,8 +57,12 @@ PYTHON* variables, no site-packages, no bytecode written: the standard library o
 - limits (``SandboxLimits``): CPU time, address space, file size, open files and processes
   (rlimits), and wall time (the parent kills it; should the parent die first, the supervisor's
   alarm, a second after the wall limit, kills the namespace);
-- a fresh temporary directory as its working directory, HOME and TMPDIR, removed afterwards, and
-  an environment of PATH, LANG, HOME and TMPDIR only: none of the trainer's variables;
+- a fresh temporary directory as its working directory, HOME and TMPDIR (``workdir``), locked
+  while in use and removed afterwards whatever the program left there (any depth, any rights,
+  FIFOs, links never followed), or by the next process's first run should the parent be killed;
+  an environment of PATH, LANG, HOME and TMPDIR only: none of the trainer's variables. The parent
+  opens nothing in it: the program's result and output come back through descriptors of files
+  with no name;
 - an audit hook (PEP 578): process creation, signals, sockets, ctypes, symlinks, writes outside
   the working directory (and more than ``max_files_written`` files) and reads outside it and the
   standard library refused in Python's terms, with clear errors for the usual accidents. It runs
@@ -81,9 +85,11 @@ solution chose: bounded by size limits (a range counts its length), a step budge
 refused with more than a few values of one hash (building them is quadratic) and, where the check
 runs alone in its process, an address-space limit; for what they miss (``sum(f(x), [])`` on a
 long list) by the reward pool's timeout. Linux only (/proc, RLIMIT_NPROC as Linux counts it);
-tests/test_code_sandbox.py holds the attacks (tests/attacks) each layer must stop.
+tests/test_code_sandbox.py holds the attacks (tests/attacks) each layer must stop,
+tests/test_sandbox_host.py the host's state after each of those that aim at the host.
 
     run_tests       one program against its tests (run.py: processes, limits, the report)
+    workdir.py      its working directory on the host: locked, removed whatever is in it, stale ones swept
     probes.py       a test split into the solution's probes and the rest; the program's report read
     checker.py      the rest of a test evaluated here on the probes' values
     child.py        the program the sandbox runs (supervisor, init, program)

@@ -8,20 +8,22 @@ Three processes, each setting up the next:
 
 - the supervisor (the process ``run_tests`` starts, as root when the trainer is): reads
   ``job.json`` and deletes it, drops to the sandbox uid, enters new namespaces and isolates the
-  filesystem (``isolation``), starts the init and waits for it; at its alarm (the parent
-  died before the wall-time kill) it kills the init, and with it the pid namespace;
+  filesystem (``isolation``), starts the init and waits for it, holding the lock that keeps the host's working directory from ``workdir.sweep_stale``;
+  at its alarm (the parent died before the wall-time kill) it kills the init, and with it the pid
+  namespace;
 - the init, pid 1 of the new pid namespace: mounts its /proc, drops the namespace's capabilities,
   restricts itself for good (Landlock, seccomp), reports on the status pipe which layers hold
   (``ready <layers>``), starts the program and reports how it ended (``exit <wait status>``);
 - the program: refuses itself new processes (seccomp), limits itself (rlimits), installs the audit
   hook, closes the status pipe and runs the solution, then each probe (``probes``: the parts
-  of the tests that call into the solution) in its namespace, writing to the ``result`` file
+  of the tests that call into the solution) in its namespace, writing to the result file
   ``ran`` (the solution ran), ``value <j> <encoded value>`` or ``raised <j> <exception>`` per
   probe, ``done <i>`` after test i's, or ``error <why>`` when the solution itself failed.
 
 The status pipe is the trusted channel: only the supervisor and the init, which run no solution
-code, hold it (a ``fatal <why>`` there says the sandbox could not be set up). The result file is
-the solution's to write as it likes: the parent takes from it nothing but plain values.
+code, hold it (a ``fatal <why>`` there says the sandbox could not be set up). The result file
+(a descriptor the parent passes, of a file with no name) is the solution's to write as it likes:
+the parent takes from it nothing but plain values.
 """
 import json
 import os
@@ -247,6 +249,7 @@ def _report(fd: int, *words) -> None:
 def _init(job: dict, isolation, details, why_no_namespaces: str) -> None:
     status, workdir, without = job["status_fd"], os.getcwd(), set(job["without"])
     own_namespaces = details is not None
+    os.close(job["lock_fd"])  # the supervisor's to hold: the host's directory, which the program has no use for
     try:
         if own_namespaces:
             done, proc = _try(isolation.mount_own_proc)
@@ -281,7 +284,7 @@ def _program(job: dict, isolation, seccomp: bool, own_namespaces: bool) -> None:
         _try(lambda: isolation.die_with_parent(signal.SIGKILL))
         if seccomp:
             isolation.seccomp(refuse_processes=True)
-        out = os.open("result", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        out = job["result_fd"]
         limits = dict(job["limits"])
         if job["uid"] is None and not own_namespaces:
             limits["processes"] = 0  # the count is then the trainer's user's: only 0 bounds the program's

@@ -8,7 +8,6 @@ import marshal
 import math
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from typing import Optional, Sequence
 from hflow.sandbox.checker import Untrusted, check
 from hflow.sandbox.probes import ascii_number, plan, read_report
 from hflow.sandbox.uids import sandbox_uid
+from hflow.sandbox.workdir import make_workdir, remove_tree, sweep_stale_once
 
 logger = logging.getLogger("hflow.sandbox")
 
@@ -76,7 +76,7 @@ class RunResult:
     uid: Optional[int]
     """The sandbox uid it ran as (None: not root, it ran as the caller's user)."""
     workdir: str
-    """Its temporary directory (removed)."""
+    """Its temporary directory on the host (removed)."""
     untrusted: list[bool] = field(default_factory=list)
     """Per test, whether it could not be split into probes and the rest (then it failed, unrun)."""
     isolation: str = ""
@@ -114,23 +114,28 @@ def run_tests(source: str, tests: Sequence[str], limits: SandboxLimits = Sandbox
             plans.append(plan(test))
         except Untrusted:
             plans.append(None)
-    workdir = tempfile.mkdtemp(prefix="hflow-sandbox-")
+    sweep_stale_once()
+    workdir, lock = make_workdir()
     status_read, status_write = os.pipe()
+    # The program's result and output come back through descriptors this process holds, of files
+    # with no name (gone with the last descriptor): nothing is opened in the working directory,
+    # where the program may have left a FIFO, a socket or a link to anywhere in their place.
+    result, output = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     try:
         with sandbox_uid() as uid:
             job = {"source": source, "probes": [[asdict(p) for p in test.probes] if test else [] for test in plans],
-                   "uid": uid, "without": without, "limits": _rlimit_values(limits), "status_fd": status_write}
+                   "uid": uid, "without": without, "limits": _rlimit_values(limits), "status_fd": status_write,
+                   "result_fd": result.fileno(), "lock_fd": lock}
             with open(os.open(os.path.join(workdir, "job.json"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
                 json.dump(job, f)
             with open(os.open(os.path.join(workdir, "child.bytecode"), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
                 f.write(_child_bytecode())
             if uid is not None:
                 os.chown(workdir, uid, uid)
-            with open(os.path.join(workdir, "output"), "wb") as output:
-                proc = subprocess.Popen(
-                    _CHILD, cwd=workdir, env=_minimal_env(workdir),
-                    stdin=subprocess.DEVNULL, stdout=output, stderr=output, start_new_session=True,
-                    pass_fds=(status_write,))
+            proc = subprocess.Popen(
+                _CHILD, cwd=workdir, env=_minimal_env(workdir),
+                stdin=subprocess.DEVNULL, stdout=output, stderr=output, start_new_session=True,
+                pass_fds=(status_write, result.fileno(), lock))
             os.close(status_write)
             status_write = None
             try:
@@ -141,13 +146,16 @@ def run_tests(source: str, tests: Sequence[str], limits: SandboxLimits = Sandbox
                 proc.wait()
                 _wait_group_gone(proc.pid)
         status = _read_pipe(status_read)  # every process that held it is gone: nothing more comes
-        report = _read_head(os.path.join(workdir, "result"), _MAX_RESULT_BYTES).decode(errors="replace")
-        output_tail = _read_tail(os.path.join(workdir, "output"), 300).decode(errors="replace")
+        report = os.pread(result.fileno(), _MAX_RESULT_BYTES, 0).decode(errors="replace")
+        output_tail = _read_tail(output.fileno(), 300).decode(errors="replace")
     finally:
         for fd in (status_read, status_write):
             if fd is not None:
                 os.close(fd)
-        shutil.rmtree(workdir, ignore_errors=True)
+        result.close()
+        output.close()
+        remove_tree(workdir)  # its processes are gone (killed by group, namespace and uid)
+        os.close(lock)
     return _result(status, report, plans, proc, exited, limits, output_tail, uid, workdir)
 
 
@@ -215,21 +223,8 @@ def _read_pipe(fd: int) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
-def _read_head(path: str, limit: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit)
-    except OSError:
-        return b""
-
-
-def _read_tail(path: str, limit: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
-            return f.read(limit)
-    except OSError:
-        return b""
+def _read_tail(fd: int, limit: int) -> bytes:
+    return os.pread(fd, limit, max(0, os.fstat(fd).st_size - limit))
 
 
 def _result(status: str, report_text: str, plans: list, proc, exited: bool, limits: SandboxLimits,
