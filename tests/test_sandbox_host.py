@@ -2,7 +2,8 @@
 
 Each attack leaves on the machine what it can: FIFOs, symbolic links and sockets where the parent
 read the program's files, directories their owner cannot enter, a tree deeper than Python's
-recursion limit, a result that costs the parent most to read. Each runs under a parent of its
+recursion limit, as many files and bytes as the disk takes, a result that costs the parent most to
+read. Each runs under a parent of its
 own (a fresh interpreter, whose time and memory are measured), with every layer and with one left
 out, and afterwards the host must be as it was: no ``hflow-sandbox-*`` in the temporary directory,
 no System V IPC object more, shared memory (``Shmem`` in /proc/meminfo) back to where it was, no
@@ -152,7 +153,8 @@ class Attack:
 
 ATTACK_LIST = [
     Attack("leave_fifo.py"), Attack("leave_links.py"), Attack("leave_sockets.py"), Attack("unreadable_dirs.py"),
-    Attack("deep_tree.py"), Attack("flood_result.py"),
+    Attack("deep_tree.py"), Attack("many_files.py", bounded_without=("namespaces",)),
+    Attack("big_files.py", bounded_without=("namespaces",)), Attack("flood_result.py"),
 ]
 MODES = {"all layers": (), "no namespaces": ("namespaces",)}
 # Where a layer's absence matters: every attack meets the host's own directory when the sandbox has

@@ -37,8 +37,10 @@ PYTHON* variables, no site-packages, no bytecode written: the standard library o
 - Linux namespaces (``isolation``): user (the uid mapped to itself; the capabilities it
   grants dropped after set-up), pid (nothing outside can be seen or signalled; the init's end is
   everything's end), network (no interface up: no connection anywhere, 127.0.0.1 included), IPC,
-  and mount: every mount read-only and nosuid, an empty private /tmp, the working directory the
-  one writable place, a /proc of its own;
+  and mount: every mount read-only and nosuid, an empty private /tmp, a /proc of its own, and the
+  one writable place, the working directory, a tmpfs of its own whose bytes and files the kernel
+  bounds (``disk_bytes``, ``max_files_written``), which ends with the namespace, with whatever
+  the program left in it;
 - Landlock (Linux 5.13): writes (making, removing, renaming) only in the working directory,
   reads only there and in the standard library, the system libraries and four devices, no file
   executed; no TCP bind or connect (ABI 4); no signal or abstract unix socket beyond the sandbox
@@ -57,12 +59,12 @@ PYTHON* variables, no site-packages, no bytecode written: the standard library o
 - limits (``SandboxLimits``): CPU time, address space, file size, open files and processes
   (rlimits), and wall time (the parent kills it; should the parent die first, the supervisor's
   alarm, a second after the wall limit, kills the namespace);
-- a fresh temporary directory as its working directory, HOME and TMPDIR (``workdir``), locked
-  while in use and removed afterwards whatever the program left there (any depth, any rights,
-  FIFOs, links never followed), or by the next process's first run should the parent be killed;
-  an environment of PATH, LANG, HOME and TMPDIR only: none of the trainer's variables. The parent
-  opens nothing in it: the program's result and output come back through descriptors of files
-  with no name;
+- a fresh temporary directory as its working directory, HOME and TMPDIR (``workdir``; on the
+  host it stays empty under the tmpfs, where there is one), locked while in use and removed
+  afterwards whatever the program left there (any depth, any rights, FIFOs, links never
+  followed), or by the next process's first run should the parent be killed; an environment of
+  PATH, LANG, HOME and TMPDIR only: none of the trainer's variables. The parent opens nothing in
+  it: the program's result and output come back through descriptors of files with no name;
 - an audit hook (PEP 578): process creation, signals, sockets, ctypes, symlinks, writes outside
   the working directory (and more than ``max_files_written`` files) and reads outside it and the
   standard library refused in Python's terms, with clear errors for the usual accidents. It runs
@@ -75,8 +77,10 @@ which are in place, and the code reward's scorer prints it at start-up.
 
 What it still is not: the kernel is shared, so a kernel bug reachable through the syscalls left
 open (files in the working directory, memory, threads, futexes, pipes) is an escape; there is no
-cgroup, so memory is bounded per process (RLIMIT_AS), CPU by the time limits and the disk by the
-file limits; without the kernel layers (a host without user namespaces, Landlock and seccomp), a
+cgroup, so memory is bounded per process (RLIMIT_AS) and the working directory's tmpfs, CPU by
+the time limits and the disk by the file limits; without namespaces, only the audit hook counts
+the files written, so a program past it fills the disk for its wall time (what it leaves is
+removed); without the kernel layers (a host without user namespaces, Landlock and seccomp), a
 program past the audit hook can run commands and reach the network as the sandbox uid, or, when
 the trainer is not root, as the trainer's own user, who may read the trainer's memory through
 /proc (the expected values too). For hostile code at scale a VM boundary (gVisor, Firecracker)

@@ -8,7 +8,8 @@ Three processes, each setting up the next:
 
 - the supervisor (the process ``run_tests`` starts, as root when the trainer is): reads
   ``job.json`` and deletes it, drops to the sandbox uid, enters new namespaces and isolates the
-  filesystem (``isolation``), starts the init and waits for it, holding the lock that keeps the host's working directory from ``workdir.sweep_stale``;
+  filesystem (``isolation``: the working directory a tmpfs of its own), starts the init and waits
+  for it, holding the lock that keeps the host's working directory from ``workdir.sweep_stale``;
   at its alarm (the parent died before the wall-time kill) it kills the init, and with it the pid
   namespace;
 - the init, pid 1 of the new pid namespace: mounts its /proc, drops the namespace's capabilities,
@@ -191,7 +192,9 @@ def main() -> None:
         entered, why_not = _try(isolation.enter_namespaces, "namespaces" in without)
         details = None  # of the namespaces, once entered
         if entered:
-            done, filesystem = _try(lambda: ", ".join(isolation.isolate_filesystem(workdir, 1 << 20)))
+            limits = job["limits"]
+            done, filesystem = _try(lambda: ", ".join(isolation.isolate_filesystem(
+                workdir, 1 << 20, limits["work_bytes"], limits["max_files_written"])))
             details = [filesystem if done else f"no mount isolation: {filesystem}"]
         init = os.fork()
         if init == 0:

@@ -64,19 +64,20 @@ def _mount_setattr(path: str, flags: int, attr_set: int = 0, attr_clr: int = 0) 
                          ctypes.c_uint(flags), attr, ctypes.c_size_t(len(attr))), f"mount_setattr {path}")
 
 
-def isolate_filesystem(workdir: str, tmp_bytes: int) -> list[str]:
-    """In the new mount namespace: an empty private tmpfs on /tmp, the working directory bound at
-    its own path (writable), and every other mount read-only and nosuid. Returns what took
+def isolate_filesystem(workdir: str, tmp_bytes: int, work_bytes: int, work_files: int) -> list[str]:
+    """In the new mount namespace: an empty private tmpfs on /tmp, at the working directory's path a
+    tmpfs of ``work_bytes`` bytes and ``work_files`` files (the host's directory bound there, should
+    a tmpfs not mount), writable, and every other mount read-only and nosuid. Returns what took
     effect; raises OSError when the namespace's mounts cannot be changed at all (then nothing
     was), RuntimeError when they were changed but not all the way."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates out, nor in
     try:
-        return _private_tmp_and_read_only_root(workdir, tmp_bytes)
+        return _private_tmp_and_read_only_root(workdir, tmp_bytes, work_bytes, work_files)
     except OSError as e:
         raise RuntimeError(f"mount namespace half set up: {e}") from e
 
 
-def _private_tmp_and_read_only_root(workdir: str, tmp_bytes: int) -> list[str]:
+def _private_tmp_and_read_only_root(workdir: str, tmp_bytes: int, work_bytes: int, work_files: int) -> list[str]:
     """``isolate_filesystem`` once the namespace's mounts are its own."""
     done = []
     workdir_fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # before /tmp is covered
@@ -87,7 +88,7 @@ def _private_tmp_and_read_only_root(workdir: str, tmp_bytes: int) -> list[str]:
             os.makedirs(workdir, mode=0o700, exist_ok=True)  # its place on the new /tmp, if it was under /tmp
         except OSError:
             pass
-        _mount(f"/proc/self/fd/{workdir_fd}", workdir, None, MS_BIND)
+        done.append(_working_directory(workdir, workdir_fd, work_bytes, work_files))
     finally:
         os.close(workdir_fd)
     try:
@@ -99,6 +100,20 @@ def _private_tmp_and_read_only_root(workdir: str, tmp_bytes: int) -> list[str]:
         done.insert(0, "read-only root")
     os.chdir(workdir)  # the old working directory is the directory under the new mount
     return done
+
+
+def _working_directory(workdir: str, workdir_fd: int, work_bytes: int, work_files: int) -> str:
+    """A tmpfs of the program's own at ``workdir``: the kernel bounds its bytes and files (inodes:
+    one more for its root), and it ends with the namespace, with whatever the program left in it
+    (a FIFO, a tree too deep, a chmod 000, a million files) and none of it on the host's disk.
+    Failing that, the host's directory (``workdir_fd``) bound there."""
+    try:
+        _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               f"size={work_bytes},nr_inodes={work_files + 1},mode=0700")
+        return f"tmpfs working directory ({work_bytes / 2 ** 20:g} MiB, {work_files} files)"
+    except OSError as e:
+        _mount(f"/proc/self/fd/{workdir_fd}", workdir, None, MS_BIND)
+        return f"the host's working directory ({e})"
 
 
 def mount_own_proc() -> str:

@@ -60,7 +60,13 @@ class SandboxLimits:
     open_files: int = 64
     """Open file descriptors (RLIMIT_NOFILE)."""
     max_files_written: int = 64
-    """Files it may open for writing (the audit hook counts): with file_size_bytes, bounds the disk."""
+    """Files it may make in its working directory (directories and links count): the kernel counts
+    them where the sandbox has a mount namespace (its tmpfs's inodes), else only the audit hook
+    (files opened for writing)."""
+    disk_bytes: int = 64 << 20
+    """Bytes its working directory may hold, at most max_files_written files of file_size_bytes:
+    the size of its tmpfs (memory, which the kernel frees with the program) where the sandbox has
+    a mount namespace; elsewhere only those two limits bound the disk, through the audit hook."""
 
 
 @dataclass
@@ -175,6 +181,8 @@ def _rlimit_values(limits: SandboxLimits) -> dict:
     values["memory"] = values.pop("memory_bytes")
     values["file_size"] = values.pop("file_size_bytes")
     values["alarm"] = math.ceil(values.pop("wall_seconds")) + 1  # the supervisor's own backstop
+    # its working directory's tmpfs (where there is a mount namespace)
+    values["work_bytes"] = min(values.pop("disk_bytes"), limits.max_files_written * limits.file_size_bytes)
     return values
 
 
