@@ -8,20 +8,25 @@ of that buffer and flushes it: a torn write), os.fsync, os.mkdir, os.rename, os.
 through. Code that writes without Python's file objects (safetensors' Rust writer) is one step
 between two counted ones.
 
-    code, ops = run_crashing(lambda: ck.save_run(root, 3, groups, {}), crash_at=7)
+    code, ops = run_crashing(lambda: ck.save_run(root, 3, groups, {}), crash_at=7, relative_to=root)
     # code: CRASHED when it died at its 7th operation (ops[-1], not done), 0 when it finished first
+
+`crash_points` enumerates N = 1, 2, ... on fresh copies of a directory until the function finishes.
 """
 from __future__ import annotations
 
 import builtins
+import gc
 import io
 import json
 import os
+import select
 import shutil
+import signal
 import sys
 import tempfile
-import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -128,14 +133,18 @@ def run_crashing(fn, crash_at: int | None, relative_to, timeout: float = 60.0) -
     reached, paths relative to `relative_to`; the last one is where it died, not done."""
     fd, log_file = tempfile.mkstemp(prefix="crash_ops_", suffix=".json")
     os.close(fd)
+    ended_r, ended_w = os.pipe()      # closed by the child's exit: waited on without polling
     try:
         pid = os.fork()
         if pid == 0:
+            os.close(ended_r)
             _child(fn, _Counter(crash_at, log_file, Path(relative_to)))
-        code = _wait(pid, timeout)
+        os.close(ended_w)
+        code = _wait(pid, ended_r, timeout)
         with open(log_file) as f:
             ops = json.loads(f.read() or "[]")
     finally:
+        os.close(ended_r)
         os.unlink(log_file)
     if code not in (0, CRASHED):
         raise AssertionError(f"the child failed (exit status {code}) after {len(ops)} operations: {ops[-3:]}")
@@ -145,8 +154,8 @@ def run_crashing(fn, crash_at: int | None, relative_to, timeout: float = 60.0) -
 def _child(fn, counter: _Counter):
     code = _FAILED
     try:
-        # a forked child must not wait for the parent's OpenMP threads (they are not copied)
-        torch.set_num_threads(1)
+        if torch.get_num_threads() > 1:    # a forked child must not wait for the parent's OpenMP
+            torch.set_num_threads(1)        # threads (they are not copied)
         _install(counter)
         fn()
         code = 0
@@ -158,17 +167,40 @@ def _child(fn, counter: _Counter):
         os._exit(code)
 
 
-def _wait(pid: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"the child {pid} did not finish in {timeout} s")
-        time.sleep(0.002)
+def _wait(pid: int, ended, timeout: float) -> int:
+    ready, _, _ = select.select([ended], [], [], timeout)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError(f"the child {pid} did not finish in {timeout} s")
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def scratch_dir():
+    """A temporary directory, in memory where the machine has /dev/shm: the crashes here kill a
+    process, which leaves the page cache (and so the file system) as it was, and each fsync on a
+    disk would cost milliseconds a point."""
+    shm = Path("/dev/shm")
+    return tempfile.TemporaryDirectory(prefix="crash_sweep_", dir=shm if os.access(shm, os.W_OK) else None)
+
+
+_FROZEN = [0]
+
+
+@contextmanager
+def _heap_frozen():
+    # a collection in a child would touch every object of the parent's heap, copying its pages
+    # (~200 ms a child); frozen objects are not collected. Sweeps nest (a resume's inside a save's).
+    if _FROZEN[0] == 0:
+        gc.collect()
+        gc.freeze()
+    _FROZEN[0] += 1
+    try:
+        yield
+    finally:
+        _FROZEN[0] -= 1
+        if _FROZEN[0] == 0:
+            gc.unfreeze()
 
 
 def crash_points(prepare, fn, check, limit: int = 10_000) -> int:
@@ -176,7 +208,7 @@ def crash_points(prepare, fn, check, limit: int = 10_000) -> int:
     `fn(root)` killed at its N-th disk operation, then `check(root, ops)` (ops: what it did, the
     last one not done); until `fn` finishes without reaching N. Returns how many points there
     were."""
-    with tempfile.TemporaryDirectory(prefix="crash_sweep_") as scratch:
+    with _heap_frozen(), scratch_dir() as scratch:
         template = Path(scratch) / "template"
         template.mkdir()
         prepare(template)

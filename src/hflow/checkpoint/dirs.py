@@ -11,6 +11,7 @@ from pathlib import Path
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
 _OLD_DIR = re.compile(r"^(step_\d+)\.old$")
+_DELETING_DIR = re.compile(r"^step_\d+(\.old)?\.deleting$")
 
 
 def checkpoint_dir(root, step: int) -> Path:
@@ -47,17 +48,21 @@ def latest_checkpoint(root) -> Path | None:
 def prune_stale(root) -> list[Path]:
     """Finish what an interrupted save left, before a save begins and at resume (while nothing is
     saving): a `step_N.old` without its `step_N` is renamed back (the save of a step already there
-    died between `commit`'s two renames, so that step is still the old one); every `step_N.tmp`
-    and a `step_N.old` beside its `step_N` are removed (no save will finish them, and their
-    partial files would hold the disk space the next save needs). Returns what was removed."""
+    died between `commit`'s two renames, so that step is still the old one); every `step_N.tmp`,
+    a `step_N.old` beside its `step_N` and what a removal cut short (`*.deleting`) are removed (no
+    save will finish them, and their partial files would hold the disk space the next save
+    needs). Returns what was removed."""
     root = Path(root)
     if not root.is_dir():
         return []
     _restore_moved_aside(root)
     removed = []
-    for path in root.iterdir():
-        if _TMP_DIR.match(path.name) or _OLD_DIR.match(path.name):
+    for path in list(root.iterdir()):
+        if _TMP_DIR.match(path.name) or _DELETING_DIR.match(path.name):
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        elif _OLD_DIR.match(path.name):
+            _discard(path)
             removed.append(path)
     return removed
 
@@ -94,14 +99,26 @@ def commit(root, step: int, keep_last: int | None = None) -> Path:
     old = final.with_name(final.name + ".old")
     replacing = final.exists()
     if replacing:
-        shutil.rmtree(old, ignore_errors=True)   # stale: only beside its step_N (see prune_stale)
+        if old.exists():
+            _discard(old)               # stale: only beside its step_N (see prune_stale)
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(final.parent)
     if replacing:
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
     _prune(root, step, keep_last)
     return final
+
+
+def _discard(path: Path) -> None:
+    """Remove a checkpoint directory (`step_N`, `step_N.old`) that resume could read: renamed out
+    of those names first, so that a removal cut short leaves `<name>.deleting`, never part of a
+    checkpoint under a name that says it is whole (or that prune_stale would rename back)."""
+    doomed = path.with_name(path.name + ".deleting")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _sync_dirs(path: Path) -> None:
@@ -139,7 +156,7 @@ def _prune(root, step: int, keep_last: int | None):
         # when the run gets there; counting it would remove the checkpoint just written.
         older = [path for path in list_checkpoints(root) if checkpoint_step(path) < step]
         for path in older[:max(0, len(older) - (keep_last - 1))]:
-            shutil.rmtree(path, ignore_errors=True)
+            _discard(path)
 
 
 # ---------------------------------------------------------------- the run's directory
