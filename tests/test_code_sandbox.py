@@ -358,6 +358,43 @@ def test_the_seccomp_filter_refuses_exec_sockets_processes_and_namespaces(kernel
                         "unshare": errno.EPERM, "thread": "allowed"}
 
 
+def test_the_seccomp_filter_refuses_memory_the_address_space_limit_does_not_count(kernel_layers):
+    # System V IPC (on the host's IPC namespace where the sandbox has none, and outliving the
+    # program), POSIX message queues, memfd files, socket pairs (descriptors in flight); what the
+    # filter let through is removed at once: this runs on the host.
+    outcomes = run_python("""
+        import ctypes, os, socket
+        from hflow.sandbox import isolation
+        libc = ctypes.CDLL(None, use_errno=True)
+        numbers = isolation._SYSCALLS[os.uname().machine][1]
+        IPC_PRIVATE, IPC_CREAT, IPC_RMID = 0, 0o1000, 0
+
+        def call(name, *args):
+            result = libc.syscall(ctypes.c_long(numbers[name]), *args)
+            if result == -1:
+                raise OSError(ctypes.get_errno(), name)
+            return result
+        isolation.seccomp(refuse_processes=True)
+        outcomes = {}
+        for what, make, undo in [
+                ("shmget", lambda: call("shmget", IPC_PRIVATE, ctypes.c_size_t(4096), IPC_CREAT | 0o600),
+                 lambda i: libc.shmctl(i, IPC_RMID, None)),
+                ("msgget", lambda: call("msgget", IPC_PRIVATE, IPC_CREAT | 0o600), lambda i: libc.msgctl(i, IPC_RMID, None)),
+                ("semget", lambda: call("semget", IPC_PRIVATE, 1, IPC_CREAT | 0o600), lambda i: libc.semctl(i, 0, IPC_RMID)),
+                ("mq_open", lambda: call("mq_open", b"hflow-seccomp-test", os.O_CREAT | os.O_RDWR, 0o600, None),
+                 lambda fd: libc.mq_unlink(b"/hflow-seccomp-test")),
+                ("memfd_create", lambda: os.memfd_create("held"), os.close),
+                ("socketpair", socket.socketpair, lambda pair: [s.close() for s in pair])]:
+            try:
+                undo(make())
+                outcomes[what] = "allowed"
+            except OSError as e:
+                outcomes[what] = e.errno
+        print(outcomes)""")
+    assert outcomes == dict.fromkeys(["shmget", "msgget", "semget", "mq_open", "memfd_create", "socketpair"],
+                                     errno.EPERM)
+
+
 def test_landlock_confines_writes_reads_and_tcp_to_the_working_directory(kernel_layers):
     listener = Listener()
     workdir = tempfile.mkdtemp()

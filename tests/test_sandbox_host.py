@@ -1,9 +1,10 @@
 """The host after every hostile program (tests/attacks): the code sandbox leaves nothing behind.
 
-Each attack leaves on the machine what it can: FIFOs, symbolic links and sockets where the parent
-read the program's files, directories their owner cannot enter, a tree deeper than Python's
-recursion limit, as many files and bytes as the disk takes, a result that costs the parent most to
-read. Each runs under a parent of its
+Each attack leaves on the machine what it can, or holds memory the limits do not count: FIFOs,
+symbolic links and sockets where the parent read the program's files, directories their owner
+cannot enter, a tree deeper than Python's recursion limit, as many files and bytes as the disk
+takes, System V shared memory, message queues and semaphores, memfd files, descriptors passed into
+a socket's own queue, a result that costs the parent most to read. Each runs under a parent of its
 own (a fresh interpreter, whose time and memory are measured), with every layer and with one left
 out, and afterwards the host must be as it was: no ``hflow-sandbox-*`` in the temporary directory,
 no System V IPC object more, shared memory (``Shmem`` in /proc/meminfo) back to where it was, no
@@ -154,12 +155,16 @@ class Attack:
 ATTACK_LIST = [
     Attack("leave_fifo.py"), Attack("leave_links.py"), Attack("leave_sockets.py"), Attack("unreadable_dirs.py"),
     Attack("deep_tree.py"), Attack("many_files.py", bounded_without=("namespaces",)),
-    Attack("big_files.py", bounded_without=("namespaces",)), Attack("flood_result.py"),
+    Attack("big_files.py", bounded_without=("namespaces",)),
+    Attack("sysv_ipc.py", LIMITS, ("seccomp",), needs=("ctypes",)),
+    Attack("memfd.py", SandboxLimits(**{**asdict(LIMITS), "file_size_bytes": 8 << 20}), ("seccomp",)),
+    Attack("fd_passing.py", needs=("socket",)), Attack("flood_result.py"),
 ]
-MODES = {"all layers": (), "no namespaces": ("namespaces",)}
+MODES = {"all layers": (), "no namespaces": ("namespaces",), "no seccomp": ("seccomp",)}
 # Where a layer's absence matters: every attack meets the host's own directory when the sandbox has
-# no mount namespace
-RUNS = [(a, mode) for a in ATTACK_LIST for mode in MODES]
+# no mount namespace; those that take memory meet the namespaces alone when seccomp is missing
+RUNS = [(a, mode) for a in ATTACK_LIST for mode in MODES
+        if mode != "no seccomp" or a.name in ("sysv_ipc.py", "memfd.py", "fd_passing.py")]
 
 
 @pytest.fixture

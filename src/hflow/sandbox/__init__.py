@@ -45,8 +45,10 @@ PYTHON* variables, no site-packages, no bytecode written: the standard library o
   reads only there and in the standard library, the system libraries and four devices, no file
   executed; no TCP bind or connect (ABI 4); no signal or abstract unix socket beyond the sandbox
   (ABI 6);
-- seccomp-BPF: no execve, no new process (threads only), no socket, no io_uring, no ptrace or
-  other processes' memory, no namespace or mount, no kernel keys, BPF, perf or userfaultfd;
+- seccomp-BPF: no execve, no new process (threads only), no socket or socket pair, no io_uring,
+  no ptrace or other processes' memory, no namespace or mount, no kernel keys, BPF, perf or
+  userfaultfd, and none of the memory RLIMIT_AS does not count: System V shared memory, message
+  queues and semaphores, POSIX message queues, memfd files;
 - when run as root, a uid of its own. RLIMIT_NPROC counts the processes of a real uid and is not
   enforced for root (in a user namespace too), so the supervisor drops (setgroups, setgid, setuid)
   to one of 64 unprivileged uids from 1879048192 (a range systemd's UID notes leave unused), one
@@ -78,9 +80,11 @@ which are in place, and the code reward's scorer prints it at start-up.
 What it still is not: the kernel is shared, so a kernel bug reachable through the syscalls left
 open (files in the working directory, memory, threads, futexes, pipes) is an escape; there is no
 cgroup, so memory is bounded per process (RLIMIT_AS) and the working directory's tmpfs, CPU by
-the time limits and the disk by the file limits; without namespaces, only the audit hook counts
-the files written, so a program past it fills the disk for its wall time (what it leaves is
-removed); without the kernel layers (a host without user namespaces, Landlock and seccomp), a
+the time limits and the disk by the file limits; without seccomp, memfd files (``open_files`` of
+``file_size_bytes``) and System V shared memory (in the sandbox's own IPC namespace, freed with
+it) escape RLIMIT_AS while the program runs; without namespaces, only the audit hook counts the
+files written, so a program past it fills the disk for its wall time (what it leaves is removed);
+without the kernel layers (a host without user namespaces, Landlock and seccomp), a
 program past the audit hook can run commands and reach the network as the sandbox uid, or, when
 the trainer is not root, as the trainer's own user, who may read the trainer's memory through
 /proc (the expected values too). For hostile code at scale a VM boundary (gVisor, Firecracker)

@@ -212,30 +212,37 @@ def _landlock_allow(ruleset: int, path: str, access: int) -> None:
 
 # ---------------------------------------------------------------- seccomp-BPF
 
-# Syscalls refused with EPERM: program execution, sockets, io_uring (its operations would bypass
-# this filter), other processes' memory, namespaces and mounts, kernel keys, BPF, perf, userfaultfd
-# (a race helper), handles that skip path checks, kernel modules and kexec.
-_REFUSED = ("execve", "execveat", "socket", "io_uring_setup", "io_uring_enter", "io_uring_register",
+# Syscalls refused with EPERM: program execution, sockets (socketpair too: descriptors passed
+# into a socket's own queue outlive the program until the kernel's collector finds them),
+# io_uring (its operations would bypass this filter), other processes' memory, namespaces and
+# mounts, kernel keys, BPF, perf, userfaultfd (a race helper), handles that skip path checks,
+# kernel modules and kexec; and memory the address-space limit does not count: System V shared
+# memory (a detached segment lives on; on the host's IPC namespace where the sandbox has none),
+# message queues and semaphores, POSIX message queues, memfd files.
+_REFUSED = ("execve", "execveat", "socket", "socketpair", "io_uring_setup", "io_uring_enter", "io_uring_register",
             "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "unshare", "setns",
             "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen", "fsconfig",
             "fsmount", "fspick", "mount_setattr", "keyctl", "add_key", "request_key", "bpf",
             "perf_event_open", "userfaultfd", "open_by_handle_at", "kexec_load", "init_module",
-            "finit_module", "delete_module")
+            "finit_module", "delete_module", "shmget", "shmat", "msgget", "semget", "mq_open", "memfd_create",
+            "memfd_secret")
 _COMMON = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428,
            "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "clone3": 435,
-           "pidfd_getfd": 438, "mount_setattr": 442}
+           "pidfd_getfd": 438, "mount_setattr": 442, "memfd_secret": 447}
 _SYSCALLS = {
-    "x86_64": (0xC000003E, dict(_COMMON, execve=59, execveat=322, socket=41, ptrace=101, process_vm_readv=310,
-                                process_vm_writev=311, unshare=272, setns=308, mount=165, umount2=166,
-                                pivot_root=155, chroot=161, keyctl=250, add_key=248, request_key=249, bpf=321,
-                                perf_event_open=298, userfaultfd=323, open_by_handle_at=304, kexec_load=246,
-                                init_module=175, finit_module=313, delete_module=176, clone=56, fork=57,
+    "x86_64": (0xC000003E, dict(_COMMON, execve=59, execveat=322, socket=41, socketpair=53, ptrace=101,
+                                process_vm_readv=310, process_vm_writev=311, unshare=272, setns=308, mount=165,
+                                umount2=166, pivot_root=155, chroot=161, keyctl=250, add_key=248, request_key=249,
+                                bpf=321, perf_event_open=298, userfaultfd=323, open_by_handle_at=304,
+                                kexec_load=246, init_module=175, finit_module=313, delete_module=176, shmget=29,
+                                shmat=30, msgget=68, semget=64, mq_open=240, memfd_create=319, clone=56, fork=57,
                                 vfork=58)),
-    "aarch64": (0xC00000B7, dict(_COMMON, execve=221, execveat=281, socket=198, ptrace=117, process_vm_readv=270,
-                                 process_vm_writev=271, unshare=97, setns=268, mount=40, umount2=39,
-                                 pivot_root=41, chroot=51, keyctl=219, add_key=217, request_key=218, bpf=280,
-                                 perf_event_open=241, userfaultfd=282, open_by_handle_at=265, kexec_load=104,
-                                 init_module=105, finit_module=273, delete_module=106, clone=220)),
+    "aarch64": (0xC00000B7, dict(_COMMON, execve=221, execveat=281, socket=198, socketpair=199, ptrace=117,
+                                 process_vm_readv=270, process_vm_writev=271, unshare=97, setns=268, mount=40,
+                                 umount2=39, pivot_root=41, chroot=51, keyctl=219, add_key=217, request_key=218,
+                                 bpf=280, perf_event_open=241, userfaultfd=282, open_by_handle_at=265,
+                                 kexec_load=104, init_module=105, finit_module=273, delete_module=106, shmget=194,
+                                 shmat=196, msgget=186, semget=190, mq_open=180, memfd_create=279, clone=220)),
 }
 _LD_ABS_W, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _RET_KILL_PROCESS, _RET_ALLOW = 0x80000000, 0x7FFF0000
