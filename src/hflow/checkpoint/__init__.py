@@ -8,11 +8,19 @@ Layout of a checkpoint root (`--trainer.output-dir`/checkpoints):
       manifest.json       size and sha256 of every file above, written last
     step_6.tmp/           a save in progress, or one that failed or was interrupted: never read,
                           removed when the next save begins and on resume
+    step_4.old/           step_4 moved aside while step 4 is saved again; renamed back if the
+                          save dies before step_4.tmp takes its name
+    step_2.deleting/      a checkpoint being removed (keep_last), renamed first so that a removal
+                          cut short never leaves part of one under its name
 
 The rename is the commit: a crash at any point leaves every earlier `step_N` intact, and
-`latest_checkpoint` ignores `.tmp` directories. A save that fails (a full disk says so, with
-the free space) removes its `.tmp`. Resuming checks the newest checkpoint's files against its
-manifest and falls back to the newest one that verifies, saying which was damaged.
+`latest_checkpoint` ignores `.tmp` directories (tests/test_checkpoint_crash_sweep.py kills a save
+at each of its disk operations). A save that fails (a full disk says so, with the free space)
+removes its `.tmp`. Resuming checks the newest checkpoint's files against its manifest and falls
+back to the newest one that verifies, saying which was damaged (an unreadable manifest too).
+`keep_last` counts the checkpoint just committed and those before it: a newer one left from
+before a fallback stays until the run replaces it. A Hugging Face export is written beside its
+directory and renamed into place whole.
 
 Loading runs no code from the checkpoint: `extra.json` and the RNG states are JSON, and DCP's
 pickles are read through allowlists (safe_format). Checkpoints without a manifest still load,
