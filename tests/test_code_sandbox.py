@@ -176,7 +176,6 @@ def test_a_program_that_prints_result_lines_cannot_forge_them():
 @pytest.mark.skipif(not AS_ROOT, reason="found by its uid, which only root gives it")
 def test_a_program_whose_parent_dies_ends_at_its_own_alarm():
     # The reward pool kills a worker that overruns --reward.timeout, before its wall-time kill.
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hflow-sandbox-*")))
     parent = subprocess.Popen([sys.executable, "-c", "from hflow.sandbox import SandboxLimits, run_tests\n"
                                "run_tests('import time\\ntime.sleep(1000)', ['pass'], SandboxLimits(wall_seconds=3))"])
     try:
@@ -191,7 +190,7 @@ def test_a_program_whose_parent_dies_ends_at_its_own_alarm():
     while sandbox_processes():
         assert time.monotonic() - orphaned < 3 + 1 + SLACK, sandbox_processes()
         time.sleep(0.05)
-    left = set(glob.glob(os.path.join(tempfile.gettempdir(), "hflow-sandbox-*"))) - before
+    left = set(glob.glob(os.path.join(tempfile.gettempdir(), f"hflow-sandbox-{parent.pid}-*")))
     assert len(left) == 1  # the killed parent's, which the next process's first run sweeps
     assert set(sweep_stale(tempfile.gettempdir())) >= left and not any(map(os.path.lexists, left))
 

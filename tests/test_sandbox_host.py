@@ -6,10 +6,10 @@ cannot enter, a tree deeper than Python's recursion limit, as many files and byt
 takes, System V shared memory, message queues and semaphores, memfd files, descriptors passed into
 a socket's own queue, a result that costs the parent most to read. Each runs under a parent of its
 own (a fresh interpreter, whose time and memory are measured), with every layer and with one left
-out, and afterwards the host must be as it was: no ``hflow-sandbox-*`` in the temporary directory,
-no System V IPC object more, shared memory (``Shmem`` in /proc/meminfo) back to where it was, no
-sandbox process, the parent's time and peak memory within bounds. A wrong solution scores 0
-unless the attack worked (tests/attacks/README.md)."""
+out, and afterwards the host must be as it was: no ``hflow-sandbox-<parent's pid>-*`` in the
+temporary directory, no System V IPC object more, shared memory (``Shmem`` in /proc/meminfo) back
+to where it was, no process of the sandbox's uid, the parent's time and peak memory within bounds.
+A wrong solution scores 0 unless the attack worked (tests/attacks/README.md)."""
 import functools
 import glob
 import json
@@ -25,9 +25,11 @@ from typing import Optional
 
 import pytest
 
-from hflow.sandbox import SandboxLimits
+from hflow.sandbox import SANDBOX_SLOTS, SANDBOX_UID_BASE, SandboxLimits
 from hflow.sandbox.child import others_can_read
-from test_code_sandbox import AS_ROOT, ATTACKS, SLACK, attack, sandbox_processes
+from hflow.sandbox.uids import processes_of
+from hflow.sandbox.workdir import sweep_stale
+from test_code_sandbox import AS_ROOT, ATTACKS, FORGERIES, HOOK_ATTACKS, SLACK, attack
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 LIMITS = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_bytes=192 << 20, processes=8,
@@ -35,7 +37,7 @@ LIMITS = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_bytes=192 << 20, 
 SHMEM_SLACK_KIB = 32 << 10       # other jobs share this machine; the attacks hold 256 MiB and more
 PARENT_MAX_RSS_KIB = 160 << 10   # the parent's peak: an interpreter, the sandbox, a 1 MiB report read
 PARENT = """
-import json, sys, time
+import json, os, sys, time
 sys.path.insert(0, {src!r})
 from hflow.sandbox import SandboxLimits, run_tests
 limits, tests, without = (json.loads(arg) for arg in sys.argv[1:4])
@@ -44,12 +46,12 @@ start = time.monotonic()
 try:
     result = run_tests(source, tests, SandboxLimits(**limits), without=without)
     out = {{"passed": result.passed, "error": result.error, "workdir": result.workdir, "pid": result.pid,
-           "isolation": result.isolation}}
+           "uid": result.uid, "isolation": result.isolation}}
 except Exception as e:
-    out = {{"raised": f"{{type(e).__name__}}: {{e}}"[:300]}}
+    out = {{"raised": f"{{type(e).__name__}}: {{e}}"[:300], "uid": None}}
 with open("/proc/self/status") as f:  # not ru_maxrss, which counts the forking process's memory
     peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-out.update(seconds=time.monotonic() - start, max_rss_kib=peak)
+out.update(seconds=time.monotonic() - start, max_rss_kib=peak, parent_pid=os.getpid())
 print(json.dumps(out))
 """
 
@@ -77,10 +79,15 @@ def readable_python() -> Optional[str]:
 
 # ---------------------------------------------------------------- the host's state
 
+# Other jobs share this machine, and may run sandboxes too: what is looked at is this run's (its
+# parent's directories, its uid's processes, IPC objects that a sandbox uid or ``NOT_ROOT`` made);
+# only shared memory is the whole machine's.
+NOT_ROOT = 65534
+
+
 @dataclass
 class Host:
-    sandbox_dirs: frozenset
-    ipc: frozenset          # (kind, id) of System V IPC objects
+    ipc: frozenset          # (kind, id) of the System V IPC objects a sandbox could have made
     shmem_kib: int
 
 
@@ -88,34 +95,40 @@ def host_now() -> Host:
     ipc = set()
     for kind in ("shm", "msg", "sem"):
         with open(f"/proc/sysvipc/{kind}") as f:
-            ipc |= {(kind, int(line.split()[1])) for line in list(f)[1:]}
+            header, *rows = [line.split() for line in f]
+        for row in rows:
+            creator = int(row[header.index("cuid")])
+            if creator == NOT_ROOT or SANDBOX_UID_BASE <= creator < SANDBOX_UID_BASE + SANDBOX_SLOTS:
+                ipc.add((kind, int(row[header.index("shmid" if kind == "shm" else kind + "id")])))
     with open("/proc/meminfo") as f:
         shmem = next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
-    return Host(frozenset(glob.glob(os.path.join(tempfile.gettempdir(), "hflow-sandbox-*"))), frozenset(ipc), shmem)
+    return Host(frozenset(ipc), shmem)
 
 
-def assert_host_back(before: Host, settle: float = 3.0) -> None:
-    """The host as ``before`` (what a private IPC namespace held is freed by a kernel worker soon
-    after its last process ends: allowed ``settle`` seconds)."""
+def leftovers(before: Host, out: dict) -> dict:
+    """What the run ``out`` (``run_parent``'s) left on the host that was ``before``."""
+    now = host_now()
+    uid = NOT_ROOT if out["uid"] is None else out["uid"]
+    left = {"directories": glob.glob(os.path.join(tempfile.gettempdir(), f"hflow-sandbox-{out['parent_pid']}-*")),
+            "ipc": sorted(now.ipc - before.ipc), "processes": processes_of(uid),
+            "shmem_kib": max(0, now.shmem_kib - before.shmem_kib - SHMEM_SLACK_KIB)}
+    return {what: found for what, found in left.items() if found}
+
+
+def assert_host_back(before: Host, out: dict, settle: float = 5.0) -> None:
+    """The host as ``before``, within ``settle`` seconds (a private IPC namespace is freed by a
+    kernel worker soon after its last process ends, descriptors in flight by the collector)."""
     deadline = time.monotonic() + settle
-    while True:
-        now = host_now()
-        back = (now.sandbox_dirs <= before.sandbox_dirs and now.ipc <= before.ipc
-                and now.shmem_kib <= before.shmem_kib + SHMEM_SLACK_KIB and not sandbox_processes())
-        if back or time.monotonic() > deadline:
-            break
+    while (left := leftovers(before, out)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = {"directories": sorted(now.sandbox_dirs - before.sandbox_dirs), "ipc": sorted(now.ipc - before.ipc),
-            "shmem_kib": now.shmem_kib - before.shmem_kib, "processes": sandbox_processes()}
-    assert back, f"left on the host: {left}"
+    assert not left, f"left on the host: {left}"
 
 
-def clean_up(left: dict) -> None:
+def clean_up(before: Host) -> None:
     """What a failed run left: this machine is shared."""
-    for path in left["directories"]:  # deeper than shutil.rmtree goes, maybe unreadable
-        subprocess.run(["chmod", "-R", "u+rwx", path], capture_output=True)
-        subprocess.run(["rm", "-rf", path], capture_output=True)
-    for kind, ident in left["ipc"]:
+    for path in sweep_stale(tempfile.gettempdir()):
+        print(f"removed {path}, left by a run")
+    for kind, ident in host_now().ipc - before.ipc:
         subprocess.run(["ipcrm", {"shm": "-m", "msg": "-q", "sem": "-s"}[kind], str(ident)], capture_output=True)
 
 
@@ -156,9 +169,10 @@ ATTACK_LIST = [
     Attack("leave_fifo.py"), Attack("leave_links.py"), Attack("leave_sockets.py"), Attack("unreadable_dirs.py"),
     Attack("deep_tree.py"), Attack("many_files.py", bounded_without=("namespaces",)),
     Attack("big_files.py", bounded_without=("namespaces",)),
-    Attack("sysv_ipc.py", LIMITS, ("seccomp",), needs=("ctypes",)),
-    Attack("memfd.py", SandboxLimits(**{**asdict(LIMITS), "file_size_bytes": 8 << 20}), ("seccomp",)),
-    Attack("fd_passing.py", needs=("socket",)), Attack("flood_result.py"),
+    Attack("sysv_ipc.py", bounded_without=("seccomp",), needs=("ctypes",)),
+    Attack("memfd.py", SandboxLimits(**{**asdict(LIMITS), "file_size_bytes": 8 << 20}), bounded_without=("seccomp",)),
+    Attack("fd_passing.py", SandboxLimits(**{**asdict(LIMITS), "file_size_bytes": 8 << 20}), needs=("socket",)),
+    Attack("flood_result.py"),
 ]
 MODES = {"all layers": (), "no namespaces": ("namespaces",), "no seccomp": ("seccomp",)}
 # Where a layer's absence matters: every attack meets the host's own directory when the sandbox has
@@ -198,8 +212,7 @@ def host():
     """The host's state before the test; what the test left, removed after it (the machine is shared)."""
     before = host_now()
     yield before
-    now = host_now()
-    clean_up({"directories": sorted(now.sandbox_dirs - before.sandbox_dirs), "ipc": sorted(now.ipc - before.ipc)})
+    clean_up(before)
 
 
 @pytest.mark.parametrize("a, mode", RUNS, ids=[f"{a.name[:-3]}-{mode.replace(' ', '_')}" for a, mode in RUNS])
@@ -217,7 +230,7 @@ def test_the_host_is_as_it_was_after_a_hostile_program(a, mode, canary, host):
     with open(os.path.join(canary, "kept")) as f:
         assert f.read() == "kept"
     assert not os.path.exists(out["workdir"])
-    assert_host_back(host)
+    assert_host_back(host, out)
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="runs the parent as another uid")
@@ -230,13 +243,12 @@ def test_a_parent_that_is_not_root_leaves_nothing_either(name, mode, canary, hos
     if python is None:
         pytest.skip("no interpreter that another uid can run")
     out = run_parent(attack_source(Attack(name), canary), ["assert f(1) == 2"], without=MODES[mode], python=python,
-                     user=65534)
+                     user=NOT_ROOT)
     assert "raised" not in out, out
     assert out["passed"] == [False] and not os.path.exists(out["workdir"])
-    assert_host_back(host)
+    assert_host_back(host, out)
 
 
 def test_attacks_are_all_run():
     listed = {a.name for a in ATTACK_LIST} | {"README.md", "neuter_audit_hook.py"}
-    from test_code_sandbox import FORGERIES, HOOK_ATTACKS
     assert set(os.listdir(ATTACKS)) - {"__pycache__"} == listed | set(FORGERIES) | set(HOOK_ATTACKS)

@@ -1,25 +1,29 @@
 # Pass descriptors where no one will read them: into a unix socket pair's own queue, the pair's
-# own descriptors among them (a cycle only the kernel's garbage collector ends), with a filled
-# file of the working directory, the directory itself and a memfd; close everything and exit.
+# own descriptors among them (a cycle only the kernel's garbage collector ends), with memfd files
+# filled as far as the file size limit allows (as many as descriptors allow), a file of the
+# working directory and the directory itself; close everything and exit. What they hold must be
+# freed with the program: more than the limit's __MEMORY__ bytes in flight.
 import array
 import os
 
-sent = False
+held, fds = 0, []
 try:
     import socket
     left, right = socket.socketpair(socket.AF_UNIX)
-    path = os.path.join(os.getcwd(), "passed")
-    held = [os.open(path, os.O_RDWR | os.O_CREAT, 0o600), os.open(os.getcwd(), os.O_RDONLY)]
-    os.write(held[0], b"x" * (4 << 20))
-    try:
-        held.append(os.memfd_create("passed"))
-        os.write(held[-1], b"x" * (4 << 20))
-    except OSError:
-        pass
-    fds = array.array("i", held + [left.fileno(), right.fileno()])
+    fds.append(os.open(os.path.join(os.getcwd(), "passed"), os.O_RDWR | os.O_CREAT, 0o600))
+    fds.append(os.open(os.getcwd(), os.O_RDONLY))
+    chunk = b"x" * (1 << 20)
+    while len(fds) < 40:
+        fd = os.memfd_create("passed")
+        fds.append(fd)
+        try:
+            while True:
+                held += os.write(fd, chunk)
+        except OSError:  # EFBIG: this one is full
+            pass
     for sock in (left, right):
-        sock.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-    sent = True
+        sock.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds + [left.fileno(),
+                                                                                         right.fileno()]))])
 except (ImportError, OSError):
     pass
 os._exit(0)

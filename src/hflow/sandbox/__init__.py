@@ -82,7 +82,8 @@ open (files in the working directory, memory, threads, futexes, pipes) is an esc
 cgroup, so memory is bounded per process (RLIMIT_AS) and the working directory's tmpfs, CPU by
 the time limits and the disk by the file limits; without seccomp, memfd files (``open_files`` of
 ``file_size_bytes``) and System V shared memory (in the sandbox's own IPC namespace, freed with
-it) escape RLIMIT_AS while the program runs; without namespaces, only the audit hook counts the
+it) escape RLIMIT_AS while the program runs (descriptors passed into a socket's own queue hold
+theirs until the kernel's collector, which the parent starts after each run); without namespaces, only the audit hook counts the
 files written, so a program past it fills the disk for its wall time (what it leaves is removed);
 without the kernel layers (a host without user namespaces, Landlock and seccomp), a
 program past the audit hook can run commands and reach the network as the sandbox uid, or, when
