@@ -105,23 +105,28 @@ def host_now() -> Host:
     return Host(frozenset(ipc), shmem)
 
 
-def leftovers(before: Host, out: dict) -> dict:
-    """What the run ``out`` (``run_parent``'s) left on the host that was ``before``."""
+def leftovers(before: Host, parent_pid: int, uid: Optional[int]) -> dict:
+    """What a parent (``parent_pid``) and its program (run as ``uid``, if known) left on the host
+    that was ``before``."""
     now = host_now()
-    uid = NOT_ROOT if out["uid"] is None else out["uid"]
-    left = {"directories": glob.glob(os.path.join(tempfile.gettempdir(), f"hflow-sandbox-{out['parent_pid']}-*")),
-            "ipc": sorted(now.ipc - before.ipc), "processes": processes_of(uid),
+    left = {"directories": glob.glob(os.path.join(tempfile.gettempdir(), f"hflow-sandbox-{parent_pid}-*")),
+            "ipc": sorted(now.ipc - before.ipc), "processes": [] if uid is None else processes_of(uid),
             "shmem_kib": max(0, now.shmem_kib - before.shmem_kib - SHMEM_SLACK_KIB)}
     return {what: found for what, found in left.items() if found}
 
 
-def assert_host_back(before: Host, out: dict, settle: float = 5.0) -> None:
-    """The host as ``before``, within ``settle`` seconds (a private IPC namespace is freed by a
+def assert_host_back(before: Host, parent_pid: int, uid: Optional[int], settle: float = 5.0) -> None:
+    """The host as ``before`` within ``settle`` seconds (a private IPC namespace is freed by a
     kernel worker soon after its last process ends, descriptors in flight by the collector)."""
     deadline = time.monotonic() + settle
-    while (left := leftovers(before, out)) and time.monotonic() < deadline:
+    while (left := leftovers(before, parent_pid, uid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"left on the host: {left}"
+
+
+def assert_run_left_nothing(before: Host, out: dict) -> None:
+    """``assert_host_back`` after the run ``out`` (``run_parent``'s)."""
+    assert_host_back(before, out["parent_pid"], NOT_ROOT if out["uid"] is None else out["uid"])
 
 
 def clean_up(before: Host) -> None:
@@ -230,7 +235,7 @@ def test_the_host_is_as_it_was_after_a_hostile_program(a, mode, canary, host):
     with open(os.path.join(canary, "kept")) as f:
         assert f.read() == "kept"
     assert not os.path.exists(out["workdir"])
-    assert_host_back(host, out)
+    assert_run_left_nothing(host, out)
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="runs the parent as another uid")
@@ -246,7 +251,18 @@ def test_a_parent_that_is_not_root_leaves_nothing_either(name, mode, canary, hos
                      user=NOT_ROOT)
     assert "raised" not in out, out
     assert out["passed"] == [False] and not os.path.exists(out["workdir"])
-    assert_host_back(host, out)
+    assert_run_left_nothing(host, out)
+
+
+@pytest.mark.parametrize("name", ["leave_links.py", "leave_fifo.py", "deep_tree.py", "unreadable_dirs.py"])
+def test_the_agents_python_tool_leaves_nothing_either(name, canary, host):
+    # The tool returns the program's error to the model: an output link to a root-only file put
+    # that file there (the tool runs in this process: its directories are named for this pid).
+    from hflow.agents import builtin_tools
+    text = builtin_tools.python(attack_source(Attack(name), canary))
+    with open(os.path.join(canary, "secret")) as f:
+        assert f.read() not in text
+    assert_host_back(host, os.getpid(), None)  # the uid it ran as is not said: test_code_sandbox.py looks at those
 
 
 def test_attacks_are_all_run():
