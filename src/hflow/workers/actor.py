@@ -145,10 +145,11 @@ class Actor(CausalLMWorker):
     def export_hf(self, path: str, tokenizer: str | None = None) -> None:
         """A Hugging Face directory of the policy (ModelWorker.export_hf); with LoRA the adapters
         merged into it, and beside it `<path>_lora`, a PEFT adapter directory for the base."""
-        super().export_hf(path, tokenizer)
+        # the adapter first: `path` appearing is what says the export (and the run) finished
         if self.cfg.lora.rank > 0:
             export_peft_adapter(self.model, f"{path}_lora", self.cfg.lora, self.cfg.model_path,
                                 process_group=self.mesh.get_group())
+        super().export_hf(path, tokenizer)
 
     @dispatch("all")
     def load(self, path: str) -> dict[str, tuple]:
