@@ -18,7 +18,6 @@ this script's measured matmul peak on the update's shapes, in the compute dtype)
     python scripts/profile_update.py --model-path DIR --sequences 64 --n 8 --max-response 48
                                                      # a real model: one rank's share of 16 x 8
     ... --max-tokens-per-micro-batch 1024 --activation-checkpointing   # what memory costs
-    ... --compile                                    # the layers' MLP and norms compiled
 """
 from __future__ import annotations
 
@@ -92,7 +91,6 @@ def main():
     ap.add_argument("--max-response", type=int, default=96)
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
     ap.add_argument("--activation-checkpointing", action="store_true")
-    ap.add_argument("--compile", action="store_true", help="--actor.fsdp.compile: the layers' MLP and norms compiled")
     ap.add_argument("--dtype", default="auto", help="the compute dtype (auto: as hflow picks for the model)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -115,8 +113,7 @@ def main():
         actor = Actor(mesh, ActorConfig(model_path=model_dir, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                                         optim=OptimConfig(lr=1e-6),
                                         fsdp=FSDPConfig(param_dtype=str(dtype).removeprefix("torch."),
-                                                        activation_checkpointing=args.activation_checkpointing,
-                                                        compile=args.compile)))
+                                                        activation_checkpointing=args.activation_checkpointing)))
     layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
     head_params = model.lm_head.weight.numel()
     del model
@@ -143,11 +140,11 @@ def main():
           f"{args.threads} thread(s)")
     for i in range(args.updates):
         phases.clear()
-        start, faults, wall = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.time()
+        start, faults = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         actor.update(t, grpo_loss)
-        total, wall = time.process_time() - start, time.time() - wall
+        total = time.process_time() - start
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        print(f"update {i}: {total:.3f} s CPU, {wall:.1f} s wall ({', '.join(f'{k} {v:.3f}' for k, v in phases.items())}), "
+        print(f"update {i}: {total:.3f} s CPU ({', '.join(f'{k} {v:.3f}' for k, v in phases.items())}), "
               f"{faults * resource.getpagesize() / 2**30:.1f} GiB of pages first touched"
               + (" (warm-up)" if i == 0 else ""), flush=True)
     torch.Tensor.backward = backward

@@ -9,7 +9,6 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
 path, out, shard_size = sys.argv[1], sys.argv[2], int(sys.argv[3])   # shard_size 1 on 2 ranks: replicated (HSDP)
-compiled = sys.argv[4:] == ["compile"]   # the layers' MLP and norms through torch.compile
 
 def ppo_loss(logp, mb, entropy=None):
     mask = mb["response_mask"]
@@ -30,7 +29,7 @@ for agg in ("token-mean", "seq-mean-token-mean"):
     cfg = ActorConfig(model_path=path, mini_batch_size=2, epochs=2, micro_batch_size=3,
                       max_tokens_per_micro_batch=0 if world == 1 else 24,
                       fsdp=FSDPConfig(activation_checkpointing=world == 2, shard_size=shard_size,
-                                      reshard_after_forward=world == 1 or agg == "token-mean", compile=compiled),
+                                      reshard_after_forward=world == 1 or agg == "token-mean"),
                       optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=20,
                                         grad_clip=0.5))
     actor = Actor(mesh, cfg)
@@ -41,8 +40,6 @@ for agg in ("token-mean", "seq-mean-token-mean"):
         actor.log_probs(local)   # a forward with no backward must leave the weights sharded
         assert all(isinstance(p, DTensor) for p in actor.model.parameters())
         metrics.append(actor.update(local, ppo_loss, loss_agg=agg))
-    if compiled:   # the MLP and the norms ran as compiled graphs, shared by every layer
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2, dict(torch._dynamo.utils.counters["stats"])
     saved[agg] = {"metrics": metrics,
                         "weights": {n: p.full_tensor() for n, p in actor.model.named_parameters()}}
 if rank == 0:

@@ -51,8 +51,6 @@ class FSDPConfig:
     """keep sharded parameters, gradients and optimizer state in CPU memory (GPU only)"""
     activation_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward pass (SmolLM2-135M on 2 CPU ranks, sharded: 4.5 -> 3.2 GiB a rank, the update ~10 % slower; with --actor.fsdp.reshard-after-forward True 2.7 GiB, ~20 %: docs/real-model.md)"""
-    compile: bool = False
-    """torch.compile each decoder layer's MLP and norms (dynamic shapes), fusing the elementwise work eager PyTorch runs op by op; attention and mixture-of-experts blocks stay eager. Costs a compilation when the first micro-batch runs (needs a C++ compiler on CPU)"""
     reshard_after_forward: bool | None = None
     """free each layer's gathered parameters after its forward (False: keep them for the backward, one all-gather fewer per micro-batch, more memory; None: False on CPU, where memory is plentiful, True on GPUs)"""
     row_parallel_on_dim1: bool = True
@@ -142,18 +140,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def compile_pointwise_parts(model: nn.Module) -> None:
-    """torch.compile the children of each decoder layer that are neither attention (hflow's
-    packed attention indexes by the batch's plan) nor a mixture of experts (routing by data):
-    the MLP and the norms, where eager PyTorch spends its elementwise time. Every layer's MLP is
-    the same code on other weights, so one compiled graph serves all of them."""
-    for layer in decoder_layers(model):
-        for name, child in layer.named_children():
-            if "attn" in name or "attention" in name or hasattr(child, "experts"):
-                continue
-            child.compile(dynamic=True)
-
-
 def free_gathered_params(model: nn.Module) -> None:
     """Free every gathered parameter: with reshard_after_forward off, a forward without a
     backward leaves them gathered, and the engine and the optimizer must see the shards."""
@@ -226,8 +212,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Modul
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.compile:
-        compile_pointwise_parts(model)
     shard_size = resolve_shard_size(cfg, mesh.size(), device, training_state_bytes(model))
     mesh = fsdp_mesh(mesh, shard_size)
     row_parallel_ids = {id(p) for n, p in model.named_parameters() if n.endswith(ROW_PARALLEL)}
