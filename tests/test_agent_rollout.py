@@ -371,3 +371,15 @@ def test_a_rollouts_figures_count_each_way_trajectories_failed():
         "agent/failures/tool_timeout": 0, "agent/failures/tool_crash": 2, "agent/failures/bad_tool_call": 0,
         "agent/failures/judge_down": 1, "agent/failures/reward_fn": 1}
     assert metrics["agent/failed"] == pytest.approx(4 / 7) and metrics["agent/finish/tool_crash"] == pytest.approx(2 / 7)
+
+
+def test_environment_failures_name_what_failed_and_leave_the_policys_own_zeros():
+    """What rewards.record is told per trajectory: the failure that ended it with its error, the
+    reward function failing on the answer, or None for a 0 that is the policy's (out of turns)."""
+    from hflow.agents import environment_failures
+
+    batch = Batch({"finish_reason": ["env_timeout", "max_turns", "answer", "tool_crash"],
+                   "agent_error": ["step took 3 s", "", "", "worker died"],
+                   "failed": torch.tensor([True, False, False, True]), "reward_errors": torch.tensor([0, 0, 1, 0])})
+    assert environment_failures(batch) == ["env_timeout: step took 3 s", None,
+                                           "the reward function failed on its final answer", "tool_crash: worker died"]

@@ -5,18 +5,23 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-from hflow.agents.trajectory import failure_counts, failure_of
+from hflow.agents.trajectory import REWARD_FN_FAILED, failure_counts, failure_of
 from hflow.batch import Batch
 
 
 def environment_failures(batch: Batch) -> list[Optional[str]]:
-    """Per trajectory, None or why its environment reward is 0 for want of a working environment:
-    the failure that ended it (`finish reason: error`), or the reward function failing on its
-    final answer. A trajectory that ran out of turns or tokens did not fail: its 0 is the policy's."""
-    return [f"{reason}: {error}" if failed else
-            "the reward function failed on its final answer" if errors else None
-            for reason, error, failed, errors in zip(batch["finish_reason"], batch["agent_error"],
-                                                     batch["failed"].tolist(), batch["reward_errors"].tolist())]
+    """Per trajectory, None or why its environment reward is 0 for want of a working environment
+    (trajectory.failure_of), in words: the failure that ended it (`finish reason: error`), or the
+    reward function failing on its final answer. A trajectory that ran out of turns or tokens did
+    not fail: its 0 is the policy's."""
+    rows = zip(batch["finish_reason"], batch["agent_error"], batch["failed"].tolist(), batch["reward_errors"].tolist())
+    return [_in_words(failure_of(reason, failed, errors), error) for reason, error, failed, errors in rows]
+
+
+def _in_words(failure: Optional[str], error: str) -> Optional[str]:
+    if failure == REWARD_FN_FAILED:
+        return "the reward function failed on its final answer"
+    return None if failure is None else f"{failure}: {error}"
 
 
 def agent_rollout_metrics(batch: Batch, prefix: str = "agent/") -> dict[str, float]:
