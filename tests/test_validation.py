@@ -227,3 +227,7 @@ def test_a_broken_or_wrong_shape_config_json_is_a_config_error_naming_the_file(t
     (bare / "generation_config.json").unlink()
     check_policy_dir(bare)
     assert context_room(bare, rollout).tokens == 64 - 16 and stop_token_ids(str(bare)) == [2]
+    # no config.json at all, or a model the engine does not run: one line each, no traceback
+    assert "not a Hugging Face model directory (no config.json)" in error_of(check_policy_dir, tmp_path)
+    (bare / "config.json").write_text('{"model_type": "mamba"}')
+    assert "model_type 'mamba' is not supported" in error_of(check_policy_dir, bare)

@@ -198,10 +198,10 @@ def check_policy_dir(path) -> None:
     that says what to change."""
     config = Path(path) / "config.json"
     if not config.exists():
-        raise FileNotFoundError(f"--model.path {path}: not a Hugging Face model directory (no config.json)")
+        raise ConfigError(f"--model.path {path}: not a Hugging Face model directory (no config.json)")
     model_type = read_json_object(config, f"--model.path {path}").get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"--model.path {path}: model_type {model_type!r} is not supported; "
+        raise ConfigError(f"--model.path {path}: model_type {model_type!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
