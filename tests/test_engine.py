@@ -778,3 +778,6 @@ def test_weight_files_of_a_directory(tmp_path):
     assert safetensors_files(str(tmp_path)) == [str(tmp_path / "model.safetensors")]
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "b.safetensors", "c": "a.safetensors"}}')
     assert safetensors_files(str(tmp_path)) == [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not JSON"):   # a ConfigError naming it
+        safetensors_files(str(tmp_path))

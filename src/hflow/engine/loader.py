@@ -9,7 +9,6 @@ The directory's other files the engine reads (its stop ids, its tokenizer) are h
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Iterable, Iterator
 
@@ -28,9 +27,8 @@ def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, f) for f in files]
+        weight_map = read_json_object(index).get("weight_map") or {}
+        files = [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
     elif os.path.exists(single):   # not a PEFT adapter_model.safetensors saved beside it
         files = [single]
     else:
