@@ -19,6 +19,7 @@ goes on.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import numbers
 import sys
@@ -83,8 +84,9 @@ def step_result_problem(result) -> Optional[str]:
     return None
 
 
-def load_environment(spec: str) -> type:
-    """An environment class by ``package.module:Class`` or ``path/to/file.py:Class``. A file's
+def load_environment(spec: str):
+    """An environment class by ``package.module:Class`` or ``path/to/file.py:Class`` (or an agent
+    function, ``file.py:solve``, which hflow serves the engine to over HTTP). A file's
     folder is put on sys.path (at the end, shadowing nothing), so that tool worker processes can
     import the tools defined in it too."""
     target, colon, attr = spec.rpartition(":")
@@ -104,9 +106,11 @@ def load_environment(spec: str) -> type:
         cls = _import(f"{target}:{attr}", spec)
     else:
         cls = _import(spec, spec)
+    if inspect.isfunction(cls):
+        return cls   # an agent written against the OpenAI client (hflow.agents.endpoint.agent_function)
     if not (isinstance(cls, type) and callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))):
         raise ValueError(f"environment {spec!r} is not a class with reset(row) and step(text) "
-                         "(subclass hflow.agents.Environment)")
+                         "(subclass hflow.agents.Environment), nor an agent function solve(row, base_url)")
     return cls
 
 

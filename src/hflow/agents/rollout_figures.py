@@ -44,6 +44,9 @@ def agent_rollout_metrics(batch: Batch, prefix: str = "agent/") -> dict[str, flo
     total = int(batch["prompt_tokens"].sum())
     if total and "prefill_tokens" in batch:
         metrics[f"{prefix}prefill_reused_fraction"] = 1.0 - int(batch["prefill_tokens"].sum()) / total
+    for column in ("prefix_mismatches", "unrecorded_turns"):   # agents served over HTTP (agents.endpoint)
+        if column in batch:
+            metrics[f"{prefix}{column}"] = batch[column].float().mean().item()
     for reason, k in sorted(Counter(r or "unfinished" for r in batch["finish_reason"]).items()):
         metrics[f"{prefix}finish/{reason}"] = k / n
     metrics.update(failure_counts(map(failure_of, batch["finish_reason"], batch["failed"].tolist(),

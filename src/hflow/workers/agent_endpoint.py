@@ -1,0 +1,264 @@
+"""Multi-turn rollouts of agents written against the OpenAI client, on an actor rank (issue 45).
+
+    batch = sample_agent_function(llm, rows, solve, rollout, limits, tokenizer, pad_id, mesh)
+
+For the rollout, this rank serves its engine on loopback (agents.endpoint: an ASGI app under
+uvicorn), and runs `solve(row, base_url)` for every (row, sample) on a thread of its own, each
+with the base_url of its own session. This thread drives the engine: a request that comes in is
+checked against its session's recording (agents.endpoint.conversation), queued on the engine with
+the whole recorded stream as its prompt (the prefix cache spares the earlier turns' KV), and
+answered when the engine finishes it; the engine keeps decoding the other sessions' turns
+meanwhile. When every agent has returned, each session's recording is one trajectory, scored by
+what its agent returned, in the batch layout of agent_rollout.sample_agent.
+
+An agent's own time (from an answer to its next request, or to its return) is bounded by
+`limits.step_timeout_s`, like an environment's step: past it the trajectory ends as env_timeout
+and the agent's thread is left to finish on its own. An agent that raises ends its trajectory as
+env_error, unless the session had already ended by a limit (max_turns, max_tokens), which an
+agent may well not expect: then the limit is how it ended.
+
+Seeds: a turn's seed is derived from (rollout.seed, global row, sample, request), as for
+environments, so the same agent code gives the same trajectories on any number of ranks.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections import Counter
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+
+from hflow.agents import AgentLimits, Trajectory, trajectory_columns, trajectory_tensors
+from hflow.agents.endpoint.agent_function import call_agent
+from hflow.agents.endpoint.app import build_app
+from hflow.agents.endpoint.conversation import PREFIX_MISMATCH, EndpointSession, PendingTurn, Renderers
+from hflow.agents.endpoint.openai_format import RequestError, error_body
+from hflow.agents.endpoint.server import LoopbackServer
+from hflow.agents.render import TemplateError
+from hflow.agents.trajectory import DONE, ENV_ERROR, ENV_TIMEOUT
+from hflow.batch import Batch
+from hflow.engine import LLM, SamplingParams
+from hflow.workers.agent_rollout import _PROMPT_COLUMNS, _batchable, row_dicts, turn_seed
+from hflow.workers.rollout_batches import RolloutConfig, group_max
+
+
+class EndpointDriver:
+    """Sessions by id, the engine, and one queue of events from the other threads: a request
+    from the HTTP server, or an agent's return."""
+
+    def __init__(self, llm: LLM, sessions: dict[str, EndpointSession], keys: dict[str, tuple], rollout: RolloutConfig,
+                 stop_ids: list[int]):
+        self.llm, self.sessions, self.keys, self.rollout, self.stop_ids = llm, sessions, keys, rollout, stop_ids
+        self.events: queue.Queue = queue.Queue()
+        self.in_flight: dict[tuple, tuple[EndpointSession, PendingTurn, Future]] = {}
+        self.requests: Counter = Counter()            # per session: requests queued on the engine
+        self.prefill_total: Counter = Counter()
+        self.prefill_computed: Counter = Counter()
+        self.outcomes: dict[str, tuple[str, object]] = {}   # session -> ("reward", r) / ("error", text) / ("timeout", s)
+
+    # ---- from the server's thread
+
+    def submit(self, session_id: str, route: str, body: dict) -> Future:
+        future: Future = Future()
+        self.events.put(("request", session_id, route, body, future))
+        return future
+
+    # ---- on this thread
+
+    def run(self, start_agent: Callable[[str], Callable[[], object]]) -> None:
+        """Start every session's agent (start_agent(id) -> the call to run on its thread) and
+        drive the engine until each has returned or run out of time."""
+        for sid in self.sessions:
+            self._start(sid, start_agent(sid))
+        try:
+            while len(self.outcomes) < len(self.sessions) or self.in_flight:
+                busy = self.llm.has_unfinished()
+                self._take_events(wait=0.0 if busy else self._time_to_next_deadline())
+                if self.llm.has_unfinished():
+                    for out in self.llm.step():
+                        c = out.outputs[0]
+                        self.prefill_computed[out.request_id[0]] += len(out.prompt_token_ids) - out.num_cached_tokens
+                        self._answer(out.request_id, c.token_ids, c.logprobs)
+                self._expire()
+        except BaseException:
+            for request_id, (_, _, future) in self.in_flight.items():
+                try:
+                    self.llm.abort(request_id)
+                except KeyError:
+                    pass
+                future.set_result((500, error_body("hflow's rollout failed", "internal_error")))
+            raise
+
+    def _start(self, sid: str, call: Callable[[], object]) -> None:
+        def agent():
+            try:
+                self.events.put(("returned", sid, ("reward", call())))
+            except BaseException as e:  # the agent's own failure costs its trajectory, never the rollout
+                self.events.put(("returned", sid, ("error", f"{type(e).__name__}: {e}"[:500])))
+        self.sessions[sid].last_answered = time.monotonic()
+        threading.Thread(target=agent, daemon=True, name=f"hflow-agent-{sid}").start()
+
+    def _take_events(self, wait: float) -> None:
+        try:
+            event = self.events.get(timeout=wait) if wait > 0 else self.events.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if event[0] == "request":
+                self._request(*event[1:])
+            elif event[1] not in self.outcomes:   # not already timed out
+                self.outcomes[event[1]] = event[2]
+                self._drop_in_flight(event[1])
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return
+
+    def _request(self, sid: str, route: str, body: dict, future: Future) -> None:
+        session = self.sessions.get(sid)
+        if session is None:
+            future.set_result((404, error_body(f"no session {sid!r} in this rollout", "unknown_session")))
+            return
+        if sid in self.outcomes:
+            future.set_result((400, error_body("this session's agent has returned or run out of time",
+                                               "session_ended")))
+            return
+        if session.in_flight:
+            future.set_result((409, error_body("one request at a time in a session: a trajectory is one stream",
+                                               "concurrent_request")))
+            return
+        try:
+            turn = session.chat_request(body) if route == "chat" else session.completion_request(body)
+            request_id = (sid, self.requests[sid])
+            params = SamplingParams(n=1, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
+                                    top_k=self.rollout.top_k, max_tokens=turn.max_tokens,
+                                    stop_token_ids=self.stop_ids,
+                                    seed=turn_seed(self.rollout.seed, *self.keys[sid], self.requests[sid]))
+            self.llm.add_request(turn.prompt_ids, params, request_id=request_id)
+        except RequestError as e:
+            self._refuse(session, future, e.status, error_body(str(e), e.code))
+            return
+        except ValueError as e:   # the engine refused it (too long for its KV budget)
+            self._refuse(session, future, 400, error_body(str(e), "engine_refused"))
+            return
+        self.requests[sid] += 1
+        self.prefill_total[sid] += len(turn.prompt_ids)
+        session.in_flight = True
+        self.in_flight[request_id] = (session, turn, future)
+
+    @staticmethod
+    def _refuse(session: EndpointSession, future: Future, status: int, body: dict) -> None:
+        session.last_answered = time.monotonic()   # an answer all the same: the agent's own time starts again
+        future.set_result((status, body))
+
+    def _answer(self, request_id, token_ids, logprobs) -> None:
+        session, turn, future = self.in_flight.pop(request_id)
+        session.in_flight = False
+        session.last_answered = time.monotonic()
+        try:
+            future.set_result((200, session.answer(turn, token_ids, logprobs)))
+        except Exception as e:
+            traceback.print_exc()
+            future.set_result((500, error_body(f"hflow could not answer: {type(e).__name__}: {e}", "internal_error")))
+
+    def _time_to_next_deadline(self) -> float:
+        waiting = [s.last_answered for sid, s in self.sessions.items() if sid not in self.outcomes and not s.in_flight]
+        if not waiting:
+            return 0.5
+        limit = next(iter(self.sessions.values())).limits.step_timeout_s
+        return min(0.5, max(0.001, min(waiting) + limit - time.monotonic()))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for sid, s in self.sessions.items():
+            if sid not in self.outcomes and not s.in_flight and now - s.last_answered >= s.limits.step_timeout_s:
+                self.outcomes[sid] = ("timeout", s.limits.step_timeout_s)
+
+    def _drop_in_flight(self, sid: str) -> None:
+        """An agent returned with a request of its still on the engine (it did not wait for it)."""
+        for request_id in [r for r in self.in_flight if r[0] == sid]:
+            session, _, future = self.in_flight.pop(request_id)
+            session.in_flight = False
+            self.llm.abort(request_id)
+            future.set_result((400, error_body("the agent returned", "session_ended")))
+
+
+def finished_trajectory(session: EndpointSession, outcome: tuple[str, object]) -> Trajectory:
+    """A session's recording, ended as its agent's return says: its reward on the last turn, the
+    limit that ended the recording as its finish. An agent that raised or ran out of time fails
+    its trajectory (reward 0), unless it had been told its session was over: then the limit ends it."""
+    t, (kind, value) = session.trajectory, outcome
+    if kind != "reward" and not session.told_ended:
+        if kind == "timeout":
+            t.finish(ENV_TIMEOUT, f"the agent made no request and did not return within {value:g}s", failed=True)
+        else:
+            t.finish(ENV_ERROR, f"the agent raised {value}", failed=True)
+        return t
+    if not t.num_turns:
+        t.finish(ENV_ERROR, "the agent returned without a request", failed=True)
+        return t
+    if kind == "reward":
+        t.turn_rewards = [0.0] * (t.num_turns - 1) + [0.0 if value is None else float(value)]
+    if session.diverged:
+        t.finish(PREFIX_MISMATCH, session.mismatch)
+    else:
+        t.finish(session.ended or DONE)
+    return t
+
+
+def end_of_turn_ids(tokenizer, renderers: Renderers) -> list[int]:
+    """The chat template's end-of-turn token, if the tokenizer has a template that has one."""
+    try:
+        return [renderers.get(None, None).end_of_turn_id]
+    except (RequestError, TemplateError):
+        return []
+
+
+def sample_agent_function(llm: LLM, rows: Batch, agent_fn: Callable, rollout: RolloutConfig, limits: AgentLimits,
+                          tokenizer, pad_id: int, mesh, row_offset: int = 0) -> Batch:
+    """`rollout.n` trajectories per row, each the session of one call of `agent_fn(row, base_url)`
+    (agents.endpoint.agent_function), on `llm` (awake, weights loaded, idle). The batch is
+    agent_rollout.sample_agent's, with response_mask 0 on a trajectory whose client broke its
+    recorded prefix (finish reason prefix_mismatch) and the columns prefix_mismatches and
+    unrecorded_turns. Every rank of `mesh` must call it (widths agree)."""
+    dicts = row_dicts(rows, tokenizer)
+    renderers = Renderers(tokenizer)
+    stop_ids = sorted({*llm.eos_token_ids, *end_of_turn_ids(tokenizer, renderers)})
+    keys = {f"{row_offset + i}-{j}": (row_offset + i, j) for i in range(len(dicts)) for j in range(rollout.n)}
+    sessions = {sid: EndpointSession(sid, tokenizer, renderers, limits, stop_ids, llm.max_model_len) for sid in keys}
+    driver = EndpointDriver(llm, sessions, keys, rollout, stop_ids)
+    with LoopbackServer(build_app(driver.submit)) as server:
+        def start_agent(sid):
+            row, url = dicts[keys[sid][0] - row_offset], f"{server.url}/sessions/{sid}/v1"
+            return lambda: call_agent(agent_fn, dict(row), url)
+        driver.run(start_agent)
+
+    fallback = [list(map(int, r.get("prompt_ids") or [])) for r in dicts]
+    trajs = [_batchable(finished_trajectory(sessions[sid], driver.outcomes[sid]), fallback[keys[sid][0] - row_offset],
+                        pad_id) for sid in keys]
+    P = max(len(t.prompt_ids) for t in trajs)
+    R = max(len(t.response_ids()) for t in trajs)
+    if mesh is not None:
+        P, R = group_max(P, mesh), group_max(R, mesh)
+    tensors = trajectory_tensors(trajs, pad_id, response_len=R, prompt_len=P)
+    for i, sid in enumerate(keys):
+        if sessions[sid].diverged:
+            tensors["response_mask"][i] = 0   # the rule: scored, never trained on (agents.endpoint.conversation)
+
+    def count(key: str) -> torch.Tensor:
+        return torch.tensor([t.counts.get(key, 0) for t in trajs], dtype=torch.long)
+    columns = {
+        **tensors, **trajectory_columns(trajs),
+        "prefix_mismatches": count("prefix_mismatches"), "unrecorded_turns": count("unrecorded_turns"),
+        "prompt_tokens": torch.tensor([driver.prefill_total[sid] for sid in keys], dtype=torch.long),
+        "prefill_tokens": torch.tensor([driver.prefill_computed[sid] for sid in keys], dtype=torch.long),
+    }
+    out = Batch(columns, meta={**rows.meta, "n": rollout.n, "temperature": rollout.temperature})
+    carried = rows.drop(*[k for k in (*_PROMPT_COLUMNS, *columns) if k in rows])
+    if len(carried.keys()):
+        out = carried.repeat(rollout.n, interleave=True) | out
+    return out
