@@ -36,6 +36,10 @@ class Segment:
     token_ids: list[int]
     logprobs: Optional[list[float]]
     """The sampled tokens' log-probs; None for an observation, which the policy did not sample."""
+    policy_versions: Optional[list[int]] = None
+    """For a model turn, the policy version (the trainer's updates behind the weights) that sampled
+    each of its tokens, when the generation loop records them (asynchronous RL; a partial rollout
+    may change the weights within a turn); None otherwise."""
 
     @property
     def from_model(self) -> bool:

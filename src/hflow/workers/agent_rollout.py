@@ -12,13 +12,28 @@ only on the model's tokens.
 Seeds: a turn's seed is derived from (rollout.seed, global row index, sample index, turn), and
 the engine mixes the prompt into each stream, so a trajectory does not depend on which rank ran
 it or on what was decoded beside it: the same seed gives the same trajectories on any number
-of ranks.
+of ranks, and at any tensor-parallel size.
+
+Tensor parallel (`llm` an EngineGroup, workers/lockstep_engine.py): the group's engines must
+take the same requests in the same steps, so its leader gathers the members' rows, runs every
+session of the group on a LockstepEngine (the followers replay its operations and step with
+it), and hands each member its own rows' trajectories back.
+
+Policy versions (`version`, a rollout group's: workers/rollout.py): each model turn records the
+version that sampled each of its tokens (Segment.policy_versions): the version when the turn was
+queued, plus one at each weight load the engine reports within it (a partial rollout's
+`between_steps` loads the next version between two engine steps, even while every session waits
+for its tools). The batch then says so per row (policy_version: its first model token's),
+per token (token_policy_version) and per turn (turn_policy_version [B, max_turns], -1 past the
+last turn), so that a trajectory whose turns several policies sampled is seen as such.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from bisect import bisect_right
 from collections import Counter
+from typing import Callable, Optional
 
 import torch
 
@@ -28,6 +43,7 @@ from hflow.agents.registry import EnvSpec, environment_factory
 from hflow.agents.trajectory import MAX_TOKENS
 from hflow.batch import Batch
 from hflow.engine import LLM, SamplingParams
+from hflow.workers.lockstep_engine import EngineGroup
 from hflow.workers.rollout_batches import RolloutConfig, group_max
 
 # columns a prompts Batch carries that are the prompt itself, not a row's data
@@ -82,11 +98,22 @@ class PrefillCounter:
         self.total: Counter = Counter()
 
 
-def run_sessions(llm: LLM, sessions: dict, rollout: RolloutConfig, stop_ids: list[int], seed_of) -> PrefillCounter:
-    """Drive every session to its end on `llm` (which must be idle); `seed_of(key, turn)` seeds
-    each turn. Returns the prefill counts per session key."""
+# how long a partial rollout's loop waits for tool calls before it looks for offered weights again
+_OFFER_POLL_S = 0.05
+
+
+def run_sessions(llm: LLM, sessions: dict, rollout: RolloutConfig, stop_ids: list[int], seed_of,
+                 version: Optional[Callable[[], int]] = None,
+                 between_steps: Optional[Callable[[], None]] = None) -> PrefillCounter:
+    """Drive every session to its end on `llm` (which must be idle: an LLM, or anything with its
+    add_request / step / abort / has_unfinished, such as a LockstepEngine); `seed_of(key, turn)`
+    seeds each turn. `version()`: the policy version of the engine's weights now, recorded per
+    token of each model turn (Segment.policy_versions). `between_steps()`: run after each engine
+    step and, while every session waits for its tools, every _OFFER_POLL_S; it may load newer
+    weights (each load the next version). Returns the prefill counts per session key."""
     turns, turn_index = TurnRunner(), Counter()
     counts = PrefillCounter()
+    queued_at: dict = {}   # key -> the version when its turn was queued
 
     def queue(key) -> None:
         s = sessions[key]
@@ -99,6 +126,8 @@ def run_sessions(llm: LLM, sessions: dict, rollout: RolloutConfig, stop_ids: lis
                                 seed=seed_of(key, turn_index[key]))
         turn_index[key] += 1
         counts.total[key] += len(ids)
+        if version is not None:
+            queued_at[key] = version()
         llm.add_request(ids, params, request_id=key)
 
     try:
@@ -108,10 +137,19 @@ def run_sessions(llm: LLM, sessions: dict, rollout: RolloutConfig, stop_ids: lis
         while llm.has_unfinished() or turns.pending:
             for out in llm.step():
                 c = out.outputs[0]
-                counts.computed[out.request_id] += len(out.prompt_token_ids) - out.num_cached_tokens
-                turns.submit(out.request_id, sessions[out.request_id], c.token_ids, c.logprobs)
+                key = out.request_id
+                counts.computed[key] += len(out.prompt_token_ids) - out.num_cached_tokens
+                turns.submit(key, sessions[key], c.token_ids, c.logprobs)
+                if version is not None:   # the turn just recorded: its tokens' versions
+                    first, changes = queued_at.pop(key), sorted(c.weight_changes)
+                    sessions[key].trajectory.segments[-1].policy_versions = [
+                        first + bisect_right(changes, t) for t in range(len(c.token_ids))]
+            if between_steps is not None:
+                between_steps()
             # block only when the engine has nothing to decode: then a step (or its timeout) is all there is
-            for key, ids in turns.collect(timeout=0 if llm.has_unfinished() else None):
+            # (or, in a partial rollout, a push to take: look again every _OFFER_POLL_S)
+            idle_wait = None if between_steps is None else _OFFER_POLL_S
+            for key, ids in turns.collect(timeout=0 if llm.has_unfinished() else idle_wait):
                 if ids is not None:
                     queue(key)
     except BaseException:
@@ -132,26 +170,68 @@ def _batchable(t: Trajectory, fallback_prompt: list[int], pad_id: int) -> Trajec
     return dataclasses.replace(t, prompt_ids=list(fallback_prompt) or [pad_id], segments=[Segment([pad_id], None)])
 
 
-def sample_agent(llm: LLM, rows: Batch, env: EnvSpec, rollout: RolloutConfig, limits: AgentLimits, tokenizer,
-                 pad_id: int, mesh, row_offset: int = 0) -> Batch:
-    """`rollout.n` trajectories per row on `llm` (awake, weights loaded, idle). `row_offset` is
-    this shard's first row in the whole batch (the seeds are by global row). Returns the batch
-    described in the module docstring; every rank of `mesh` must call it (widths agree)."""
+def make_sessions(parts: list[tuple[int, list[dict]]], env: EnvSpec, rollout: RolloutConfig, limits: AgentLimits,
+                  tokenizer) -> tuple[dict, dict]:
+    """One AgentSession per (row, sample) of each part (its first global row, its rows' dicts),
+    keyed (global row, sample); and the renderers they use (one for chat-message prompts, one for
+    text)."""
     make_env = environment_factory(env)
-    dicts = row_dicts(rows, tokenizer)
-    sessions, renderers = {}, {}   # one renderer for chat-message prompts, one for text
-    for i, row in enumerate(dicts):
-        for j in range(rollout.n):
-            e = make_env()
-            kind = isinstance(row.get("prompt"), list)
-            renderers[kind] = renderers.get(kind) or pick_renderer(tokenizer, e, row.get("prompt"))
-            sessions[(row_offset + i, j)] = AgentSession(e, renderers[kind], row, limits)
-    stop_ids = sorted({*llm.eos_token_ids, *(r.end_of_turn_id for r in renderers.values())})
-    counts = run_sessions(llm, sessions, rollout, stop_ids, lambda key, turn: turn_seed(rollout.seed, *key, turn))
+    sessions, renderers = {}, {}
+    for offset, dicts in parts:
+        for i, row in enumerate(dicts):
+            for j in range(rollout.n):
+                e = make_env()
+                kind = isinstance(row.get("prompt"), list)
+                renderers[kind] = renderers.get(kind) or pick_renderer(tokenizer, e, row.get("prompt"))
+                sessions[(offset + i, j)] = AgentSession(e, renderers[kind], row, limits)
+    return sessions, renderers
 
-    keys = list(sessions)
+
+def run_parts(llm, parts: list[tuple[int, list[dict]]], env: EnvSpec, rollout: RolloutConfig, limits: AgentLimits,
+              tokenizer, version=None, between_steps=None) -> list[list[tuple]]:
+    """Every part's trajectories on one engine (an LLM or a LockstepEngine): per part, per
+    (row, sample) in order, (trajectory, prompt tokens its requests carried, those computed)."""
+    sessions, renderers = make_sessions(parts, env, rollout, limits, tokenizer)
+    stop_ids = sorted({*llm.eos_token_ids, *(r.end_of_turn_id for r in renderers.values())})
+    counts = run_sessions(llm, sessions, rollout, stop_ids, lambda key, turn: turn_seed(rollout.seed, *key, turn),
+                          version, between_steps)
+    return [[(sessions[(offset + i, j)].trajectory, counts.total[(offset + i, j)], counts.computed[(offset + i, j)])
+             for i in range(len(dicts)) for j in range(rollout.n)] for offset, dicts in parts]
+
+
+def run_on_group(group: EngineGroup, part: tuple[int, list[dict]], env: EnvSpec, rollout: RolloutConfig,
+                 limits: AgentLimits, tokenizer, version=None) -> list[tuple]:
+    """A tensor-parallel group's rollout: the leader runs every member's part on a LockstepEngine,
+    the others follow; each member gets its own part's results (as run_parts gives one)."""
+    parts = group.gather(part)
+    if not group.is_leader:
+        group.follow()
+        return group.scatter(None)
+    with group.lead() as engine:
+        results = run_parts(engine, parts, env, rollout, limits, tokenizer, version)
+    return group.scatter(results)
+
+
+def sample_agent(llm: LLM | EngineGroup, rows: Batch, env: EnvSpec, rollout: RolloutConfig, limits: AgentLimits,
+                 tokenizer, pad_id: int, mesh, row_offset: int = 0, version: Optional[Callable[[], int]] = None,
+                 between_steps: Optional[Callable[[], None]] = None) -> Batch:
+    """`rollout.n` trajectories per row on `llm` (awake, weights loaded, idle; an EngineGroup at
+    tensor-parallel size > 1). `row_offset` is this shard's first row in the whole batch (the
+    seeds are by global row). `version` / `between_steps`: run_sessions' (a rollout group's; not
+    at tp > 1). Returns the batch described in the module docstring; every rank of `mesh` must
+    call it (widths agree)."""
+    dicts = row_dicts(rows, tokenizer)
+    start_version = version() if version is not None else None
+    if isinstance(llm, EngineGroup):
+        if between_steps is not None:
+            raise ValueError("partial rollouts at tensor-parallel size > 1: the group's ranks would have to load "
+                             "the weights at the same step; not supported")
+        results = run_on_group(llm, (row_offset, dicts), env, rollout, limits, tokenizer, version)
+    else:
+        (results,) = run_parts(llm, [(row_offset, dicts)], env, rollout, limits, tokenizer, version, between_steps)
+
     fallback = [list(map(int, r.get("prompt_ids") or [])) for r in dicts]
-    trajs = [_batchable(sessions[k].trajectory, fallback[k[0] - row_offset], pad_id) for k in keys]
+    trajs = [_batchable(t, fallback[k // rollout.n], pad_id) for k, (t, _, _) in enumerate(results)]
     # every rank pads to the same widths, so that the dp shards concatenate (no mesh: this batch alone)
     P = max(len(t.prompt_ids) for t in trajs)
     R = max(len(t.response_ids()) for t in trajs)
@@ -161,11 +241,40 @@ def sample_agent(llm: LLM, rows: Batch, env: EnvSpec, rollout: RolloutConfig, li
     columns = {
         **tensors,
         **trajectory_columns(trajs),
-        "prompt_tokens": torch.tensor([counts.total[k] for k in keys], dtype=torch.long),
+        "prompt_tokens": torch.tensor([total for _, total, _ in results], dtype=torch.long),
     }
-    columns["prefill_tokens"] = torch.tensor([counts.computed[k] for k in keys], dtype=torch.long)
+    columns["prefill_tokens"] = torch.tensor([computed for _, _, computed in results], dtype=torch.long)
+    if version is not None:
+        columns |= version_columns(trajs, start_version, R, limits.max_turns)
     out = Batch(columns, meta={**rows.meta, "n": rollout.n, "temperature": rollout.temperature})
     carried = rows.drop(*[k for k in (*_PROMPT_COLUMNS, *columns) if k in rows])
     if len(carried.keys()):
         out = carried.repeat(rollout.n, interleave=True) | out
     return out
+
+
+def version_columns(trajs: list[Trajectory], start: int, response_len: int, max_turns: int) -> dict:
+    """Which policy versions sampled each trajectory: policy_version [B] (its first model token's;
+    `start` for one without a model turn), token_policy_version [B, R] (each response token's;
+    an observation token carries the version of the turn before it) and turn_policy_version
+    [B, max_turns] (each model turn's first token's; -1 past its last turn)."""
+    B = len(trajs)
+    row = torch.full((B,), start, dtype=torch.long)
+    tokens = torch.full((B, response_len), start, dtype=torch.long)
+    turns = torch.full((B, max_turns), -1, dtype=torch.long)
+    for b, t in enumerate(trajs):
+        at, current, turn = 0, start, 0
+        for seg in t.segments:
+            n = len(seg.token_ids)
+            if seg.from_model and seg.policy_versions:
+                if turn == 0:
+                    row[b] = seg.policy_versions[0]
+                if turn < max_turns:
+                    turns[b, turn] = seg.policy_versions[0]
+                tokens[b, at:at + n] = torch.tensor(seg.policy_versions, dtype=torch.long)
+                current = seg.policy_versions[-1]
+                turn += 1
+            else:
+                tokens[b, at:at + n] = current
+            at += n
+    return {"policy_version": row, "token_policy_version": tokens, "turn_policy_version": turns}

@@ -14,7 +14,9 @@ load its weights: the engine would go on sampling from the old ones.
 
 With tp_g > 1 the engine of a tensor-parallel group (ranks t * dp_g + j for t = 0..tp_g-1,
 strided) runs as one: its ranks pool the prompts they were dispatched, generate them all with
-the same seeds, and each keeps the results of its own prompts.
+the same seeds, and each keeps the results of its own prompts. A multi-turn rollout's group is
+led by one rank, which runs the group's sessions and sends every engine step's requests to the
+others (workers/lockstep_engine.py).
 
 `with_greedy` adds one greedy (temperature 0) response per prompt to the same engine call — the
 baseline of ReMax — as sample n of each prompt (rollout.split_greedy separates them).
@@ -35,6 +37,7 @@ from hflow.distributed.parallel import device_of, local_group, make_mesh, releas
 from hflow.distributed.reshard import generation_mesh, generation_weights
 from hflow.distributed.weight_sync import joint_ranks, send_weights, weight_manifest
 from hflow.workers.fsdp import mixed_precision
+from hflow.workers.lockstep_engine import EngineGroup
 from hflow.workers.rollout_batches import RolloutConfig
 
 
@@ -112,18 +115,19 @@ class HybridEngine:
                             group, source, bucket_bytes, is_source=me == source)
         return {"push_s": time.perf_counter() - began, "push_bytes": float(sent)}
 
-    def agent_engine(self, cfg: RolloutConfig) -> LLM:
-        """The engine for a multi-turn rollout (workers/agent_rollout.py) on begin()'s weights.
-        Only tp_size 1: a tp group's engines must take the same requests in the same steps,
-        and each rank's tool calls answer when they answer."""
+    def agent_engine(self, cfg: RolloutConfig) -> LLM | EngineGroup:
+        """The engine for a multi-turn rollout (workers/agent_rollout.py) on begin()'s weights: the
+        LLM at tp_size 1; above, an EngineGroup (workers/lockstep_engine.py), since a tp group's
+        engines must take the same requests in the same steps while each trajectory's tool calls
+        answer when they answer: the group's leader runs the sessions, the others follow it."""
         if self.open_rollout is None:
             raise RuntimeError("sample_agent without begin_rollout: the engine holds no weights; call "
                                "begin_rollout(rollout) first (or generate_agent, which does all three)")
-        if cfg.tp_size != 1 or self.open_rollout.tp_size != 1:
-            raise ValueError("multi-turn agent rollouts need --rollout.tp-size 1 (a tensor-parallel engine "
-                             "cannot yet wait for its ranks' tool calls)")
+        if cfg.tp_size != self.open_rollout.tp_size:
+            raise ValueError(f"sample_agent with --rollout.tp-size {cfg.tp_size} in a rollout begun with "
+                             f"{self.open_rollout.tp_size}")
         fault_point("generate")
-        return self.llm
+        return self.llm if cfg.tp_size == 1 else EngineGroup(self.llm, self.gen_mesh)
 
     def end(self) -> None:
         """Put the engine to sleep: free its KV cache, and its weights unless the rollout's

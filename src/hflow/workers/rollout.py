@@ -5,6 +5,7 @@
     pushed = actor.push_weights.future(rollout.ranks)                       # the actor's side
     rollout.receive_weights(version, manifest, actor.ranks[0])             # both at once
     batch = rollout.generate(prompts, rollout_cfg)   # + policy_version per row, rollout_busy_s / rollout_idle_s in meta
+    batch = rollout.generate_agent(rows, env, rollout_cfg, limits)   # multi-turn trajectories, versions per turn
 
 Its engine stays awake between rollouts (nothing else uses these ranks) and keeps the last
 weights it received, with their policy version (the number of actor updates behind them), which
@@ -15,6 +16,9 @@ Partial rollouts (`partial`): the controller also tells the group at once that a
 between two engine steps the generate joins that push, and the engine goes on with the new
 weights from where each response is (LLM.load_weights recomputes their KV). Each token then
 records the version that sampled it (`token_policy_version`); `policy_version` is a row's first.
+A multi-turn rollout (generate_agent) takes offered weights between engine steps and also while
+every trajectory waits for its tool calls; its turns record their versions (workers/agent_rollout.py:
+a trajectory whose turns several versions sampled says so in `turn_policy_version`).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from hflow.distributed.reshard import generation_mesh
 from hflow.distributed.weight_sync import DEFAULT_BUCKET_BYTES, Manifest, joint_ranks, receive_weights
 from hflow.workers.fsdp import mixed_precision
 from hflow.workers.hybrid_engine import build_engine, sample_on
+from hflow.workers.lockstep_engine import EngineGroup
 from hflow.workers.rollout_batches import RolloutConfig, prompt_token_lists, rollout_batch
 
 
@@ -49,6 +54,7 @@ class Rollout:
         # the engine computes in the actor's compute dtype, as the actor's own engine would
         self.dtype = mixed_precision(actor_cfg.fsdp, self.device).param_dtype or torch.float32
         self.config = AutoConfig.from_pretrained(actor_cfg.model_path)
+        self.model_path, self.tokenizer = actor_cfg.model_path, None   # the tokenizer: for multi-turn rollouts
         self.gen_mesh = generation_mesh(mesh, rollout.tp_size, make_mesh)
         self.llm = build_engine(self.config, actor_cfg.model_path, self.dtype, self.device, self.gen_mesh, rollout)
         self.version: int | None = None
@@ -119,6 +125,38 @@ class Rollout:
                 for t in at:
                     versions[row, t:] += 1
             batch["token_policy_version"] = versions
+        ended = time.perf_counter()
+        batch.meta.update(rollout_busy_s=ended - began, rollout_idle_s=began - self.last_end)
+        self.last_end = ended
+        return batch
+
+    @dispatch("dp")
+    def generate_agent(self, rows: Batch, env, rollout: RolloutConfig, limits=None) -> Batch:
+        """`rollout.n` multi-turn trajectories per row on the last weights received (see
+        Actor.sample_agent), with the policy versions that sampled them: policy_version per row,
+        token_policy_version per token, turn_policy_version per model turn (-1 past the last);
+        meta rollout_busy_s and rollout_idle_s as generate's. With partial rollouts, weights
+        pushed meanwhile are taken between two engine steps (or while every trajectory waits
+        for its tools) and the trajectories go on with them."""
+        from hflow.agents import AgentLimits
+        from hflow.workers import agent_rollout
+        if self.version is None:
+            raise RuntimeError("Rollout.generate_agent before any receive_weights: the engine holds no weights yet")
+        if rollout.tp_size != self.cfg.tp_size:
+            raise ValueError(f"generate_agent with --rollout.tp-size {rollout.tp_size} on a rollout group built with "
+                             f"{self.cfg.tp_size}")
+        began = time.perf_counter()
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        fault_point("generate")
+        engine = self.llm if self.cfg.tp_size == 1 else EngineGroup(self.llm, self.gen_mesh)
+        # dispatch cuts the rows into equal contiguous shards in dp order: this shard's first global row
+        offset = self.mesh.get_local_rank("dp") * len(rows) if "dp" in (self.mesh.mesh_dim_names or ()) else 0
+        batch = agent_rollout.sample_agent(engine, rows, env, rollout, limits or AgentLimits(), self.tokenizer,
+                                           layout.pad_id(self.config), self.mesh, row_offset=offset,
+                                           version=lambda: self.version,
+                                           between_steps=self._take_offered if self.partial else None)
         ended = time.perf_counter()
         batch.meta.update(rollout_busy_s=ended - began, rollout_idle_s=began - self.last_end)
         self.last_end = ended
