@@ -22,6 +22,7 @@ response). Conventions shared by every function here:
     kl_control.py   the fixed and adaptive KL coefficient controllers
     lagrangian.py   Safe-RLHF's Lagrange multiplier and the Lagrangian's advantage
     pairs.py        reward and cost models' losses on preference pairs
+    turn_credit.py  per-turn credit over multi-turn trajectories: pad_turn_rewards, turn_returns, turn_advantages
     registry.py     the name -> function tables (Registry) the registries above are
 
 verl's `trainer/ppo/core_algos.py` is the model for names and formulas; this is our own code.
@@ -38,6 +39,7 @@ from hflow.algos.losses import (KL_KINDS, POLICY_LOSSES, entropy_from_logits, gs
                                 nll_loss, policy_loss, policy_loss_fn, register_policy_loss, value_loss)
 from hflow.algos.masked import AGG_MODES, aggregate_loss, explained_variance, masked_mean, masked_whiten
 from hflow.algos.pairs import bradley_terry_loss, cost_model_loss, pair_loss, pair_metrics
+from hflow.algos.turn_credit import pad_turn_rewards, turn_advantages, turn_returns
 
 __all__ = [
     "masked_mean", "masked_whiten", "aggregate_loss", "explained_variance", "AGG_MODES",
@@ -50,4 +52,5 @@ __all__ = [
     "FixedKLController", "AdaptiveKLController",
     "LagrangeMultiplier", "update_log_lambda", "lagrangian_advantages",
     "bradley_terry_loss", "cost_model_loss", "pair_metrics", "pair_loss",
+    "pad_turn_rewards", "turn_returns", "turn_advantages",
 ]
