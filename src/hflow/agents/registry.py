@@ -6,6 +6,7 @@ import functools
 from typing import Callable, Union
 
 from hflow.agents.environment import Environment, load_environment
+from hflow.agents.multi_question import MultiQuestion
 from hflow.agents.tool_environment import ToolEnvironment
 
 EnvSpec = Union[str, Callable[[], Environment]]
@@ -17,6 +18,8 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
     "calculator_hermes": functools.partial(ToolEnvironment, ("calculator",), format="hermes"),
     # the same task with the tool switched off: a call goes unanswered, the turn is the final answer
     "no_tools": functools.partial(ToolEnvironment, (), format="tags"),
+    # three problems in a row ("27+82=" and two like it), one a turn, each answer rewarded on its own
+    "multi_question": functools.partial(MultiQuestion, questions=3),
 }
 
 
