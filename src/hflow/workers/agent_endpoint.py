@@ -132,6 +132,9 @@ class EndpointDriver:
                                                "concurrent_request")))
             return
         try:
+            if route == "tokenize":   # no engine work: answered here and now
+                future.set_result((200, session.tokenize(body)))
+                return
             turn = session.chat_request(body) if route == "chat" else session.completion_request(body)
             request_id = (sid, self.requests[sid])
             params = SamplingParams(n=1, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
@@ -202,7 +205,9 @@ def finished_trajectory(session: EndpointSession, outcome: tuple[str, object]) -
         t.finish(ENV_ERROR, "the agent returned without a request", failed=True)
         return t
     if kind == "reward":
-        t.turn_rewards = [0.0] * (t.num_turns - 1) + [0.0 if value is None else float(value)]
+        reward, counts = value
+        t.turn_rewards = [0.0] * (t.num_turns - 1) + [reward]
+        t.counts.update(counts)
     if session.diverged:
         t.finish(PREFIX_MISMATCH, session.mismatch)
     else:

@@ -4,6 +4,8 @@ a base_url (`http://127.0.0.1:PORT/sessions/<id>/v1`) and the official client:
 
     POST /sessions/<id>/v1/chat/completions   messages (and tools) in, an assistant message out
     POST /sessions/<id>/v1/completions        token ids (or text) in, tokens out: token-in/token-out
+    POST /sessions/<id>/tokenize              text in, its token ids out (as text: no control tokens),
+                                              for a token-in/token-out agent's observations
     GET  /sessions/<id>/v1/models             the one model, "hflow"
     GET  /health
 
@@ -44,6 +46,9 @@ def build_app(submit: Submit) -> Starlette:
     async def text(request: Request) -> JSONResponse:
         return await completions(request, "completion")
 
+    async def tokenize(request: Request) -> JSONResponse:
+        return await completions(request, "tokenize")
+
     async def models(request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": "hflow", "object": "model", "owned_by": "hflow"}]})
 
@@ -54,5 +59,6 @@ def build_app(submit: Submit) -> Starlette:
         Route("/sessions/{session}/v1/chat/completions", chat, methods=["POST"]),
         Route("/sessions/{session}/v1/completions", text, methods=["POST"]),
         Route("/sessions/{session}/v1/models", models, methods=["GET"]),
+        Route("/sessions/{session}/tokenize", tokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
     ])

@@ -134,6 +134,15 @@ class EndpointSession:
             self._diverge("the prompt's token ids do not begin with the recorded stream")
         return self._unrecorded(ids, client_max, "completion")
 
+    def tokenize(self, body: dict) -> dict:
+        """Text as the tokens that stand for it, a special token's text included (vLLM's /tokenize
+        with its special tokens off): what a token-in/token-out agent appends as an observation."""
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise RequestError("prompt must be text")
+        ids = list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
     # ---- answers
 
     def answer(self, turn: PendingTurn, token_ids: list[int], logprobs: list[float]) -> dict:
