@@ -48,12 +48,24 @@ their formulas in recipes/grpo.py) over the n trajectories of a prompt, the loss
 Held-out evaluation runs the trajectories too, greedily: eval/reward_mean is the mean score as
 `--agent.reward` defines it, eval/agent/* the trajectories' figures.
 
+Credit (`--agent.credit`): trajectory (the default) sums an environment's per-turn rewards into
+the trajectory's score, placed on its last model token, and the estimator compares the prompt's
+n trajectories. turn gives each turn's tokens their own credit (hflow.algos.turn_advantages):
+turn t's discounted return-to-go G_t = sum_{t' >= t} gamma^(t'-t) r_t' (`--agent.turn-discount`
+gamma; 1: every later turn's reward, 0: its own alone), against the prompt's trajectories at
+the same turn (GiGPO's step-wise group, the turn index standing for its anchor state), plus
+`--agent.episode-weight` times the trajectory's own group advantage (GiGPO's omega is its
+inverse, up to scale; 0: per-turn alone). It needs `--agent.reward env` and `--algo.estimator
+grpo` (divided by the group's std) or drgrpo (not), the KL in the loss. `--agent.env
+multi_question --data.task arithmetic` is a task for it: three problems in a row, each answer
+rewarded on its own (hflow/agents/multi_question.py; docs/agents.md has what each credit learns).
+
 Supports: any environment `module:Class` / `path/file.py:Class` (reset(row), step(text)),
 chat-template models (tool results as the template's own delta) and plain-text ones, the
 estimators and losses above, several PPO epochs and mini-batches, checkpoints and resume,
-colocated or split placement; an environment's per-turn rewards, summed onto its trajectory. Not
-(yet): DAPO's dynamic sampling and overlong shaping, per-turn credit (each turn's reward on its own
-tokens), a tensor-parallel engine (`--rollout.tp-size 1` only).
+colocated or split placement; an environment's per-turn rewards, summed onto its trajectory or
+credited turn by turn. Not (yet): DAPO's dynamic sampling and overlong shaping, a
+tensor-parallel engine (`--rollout.tp-size 1` only).
 """
 from __future__ import annotations
 
@@ -96,6 +108,12 @@ class AgentConfig:
     """One tool call; a call still running after this is killed and ends its trajectory as tool_timeout."""
     step_timeout_s: float = AgentLimits.step_timeout_s
     """One environment step, its tool calls included; past it the trajectory ends as env_timeout."""
+    credit: Literal["trajectory", "turn"] = "trajectory"
+    """How rewards become advantages: trajectory (the turns' rewards summed on the last model token, then --algo.estimator over the prompt's trajectories) or turn (each turn's return-to-go on its own tokens, against the prompt's trajectories at the same turn; needs --agent.reward env)."""
+    turn_discount: float = 1.0
+    """gamma over turns with --agent.credit turn: turn t is credited with sum_{t'>=t} gamma^(t'-t) r_t' (1: every later turn's reward; 0: its own alone)."""
+    episode_weight: float = 0.0
+    """With --agent.credit turn: the weight of the trajectory's own group advantage, added to every turn's (0: per-turn credit alone; GiGPO's omega = 1 is 1)."""
 
 
 @dataclass
@@ -130,6 +148,7 @@ def check_agent(cfg: Config) -> AgentLimits:
     if cfg.agent.reward == "env" and cfg.reward.model:
         raise ConfigError(f"--reward.model {cfg.reward.model} with --agent.reward env: the reward model would "
                           "score nothing; use --agent.reward fn or sum")
+    check_credit(cfg)
     if cfg.rollout.tp_size != 1:
         raise ConfigError(f"--rollout.tp-size {cfg.rollout.tp_size}: multi-turn rollouts need 1 (a tensor-parallel "
                           "engine cannot yet wait for its ranks' tool calls)")
@@ -137,6 +156,43 @@ def check_agent(cfg: Config) -> AgentLimits:
     return AgentLimits(max_turns=a.max_turns, max_response_tokens=cfg.rollout.max_tokens,
                        max_turn_tokens=a.max_turn_tokens, max_observation_tokens=a.max_observation_tokens,
                        tool_timeout_s=a.tool_timeout_s, step_timeout_s=a.step_timeout_s)
+
+
+def check_credit(cfg: Config) -> None:
+    """--agent.credit turn's combinations, refused in one line (ConfigError) before anything loads."""
+    a, algo = cfg.agent, cfg.algo
+    if not 0.0 <= a.turn_discount <= 1.0:
+        raise ConfigError(f"--agent.turn-discount {a.turn_discount}: must be in [0, 1]")
+    if a.episode_weight < 0:
+        raise ConfigError(f"--agent.episode-weight {a.episode_weight}: must be >= 0")
+    if a.credit != "turn":
+        return
+    if a.reward != "env":
+        raise ConfigError(f"--agent.credit turn with --agent.reward {a.reward}: per-turn credit needs the "
+                          "environment's per-turn rewards (--agent.reward env)")
+    if algo.estimator not in ("grpo", "drgrpo"):
+        raise ConfigError(f"--agent.credit turn with --algo.estimator {algo.estimator}: its baselines are grpo's "
+                          "(divided by the group's std) or drgrpo's (not)")
+    if algo.kl_in_reward and algo.kl_coef > 0:
+        raise ConfigError("--agent.credit turn with --algo.kl-in-reward: put the KL in the loss "
+                          "(--algo.no-kl-in-reward)")
+
+
+def turn_credit(batch, groups, cfg: Config) -> torch.Tensor:
+    """--agent.credit turn's advantages, [B, R] (0 off the model's tokens): the environment's
+    reward per turn (0 for every turn of a failed trajectory) as hflow.algos.turn_advantages says."""
+    rewards, valid = algos.pad_turn_rewards(batch["turn_rewards"])
+    return algos.turn_advantages(batch["turn_index"], rewards, valid, batch["response_mask"], groups,
+                                 gamma=cfg.agent.turn_discount, episode_weight=cfg.agent.episode_weight,
+                                 norm_by_std=cfg.algo.estimator == "grpo")
+
+
+def turn_reward_means(batch) -> dict:
+    """reward/turn_<t>: the mean reward of turn t over the trajectories that reached it."""
+    rewards, valid = algos.pad_turn_rewards(batch["turn_rewards"])
+    reached = valid.sum(0)
+    return {f"reward/turn_{t}": (rewards[:, t].sum() / reached[t]).item() for t in range(rewards.shape[1])
+            if reached[t] > 0}
 
 
 def environment(cfg: Config):
@@ -232,7 +288,12 @@ def main(cluster: hflow.Cluster, cfg: Config):
                     token_rewards = token_rewards - algo.kl_coef * kl
             # a prompt's n trajectories are each other's baseline: no critic
             groups = torch.arange(len(batch)) // cfg.rollout.n
-            batch["advantages"] = estimator(token_rewards, mask, groups, gamma=algo.gamma)
+            if cfg.agent.credit == "turn":   # each turn's rewards on its own tokens, not the score on the last
+                batch["advantages"] = turn_credit(batch, groups, cfg)
+            else:
+                batch["advantages"] = estimator(token_rewards, mask, groups, gamma=algo.gamma)
+            if cfg.agent.reward == "env":
+                metrics |= turn_reward_means(batch)
             with timer("update"):
                 metrics |= actor.update(batch, loss_fn, loss_agg=algo.loss_agg)[0]
         run.end_step(step, metrics | step_metrics(batch, timer.pop()) | agent_rollout_metrics(batch))

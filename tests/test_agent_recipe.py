@@ -112,7 +112,7 @@ def test_agent_recipe_multi_turn_run_resumes_as_the_uninterrupted_one(eot_model,
 
 @pytest.mark.dist
 @pytest.mark.parametrize("args, expected", [
-    (["--agent.env", "calculater"], "--agent.env calculater: not a built-in environment (calculator, calculator_hermes, no_tools)"),
+    (["--agent.env", "calculater"], "--agent.env calculater: not a built-in environment (calculator, calculator_hermes, no_tools, multi_question)"),
     (["--agent.env", "no_such_module_here:Env"],
      "--agent.env no_such_module_here:Env: cannot import module 'no_such_module_here'"),
     (["--agent.max-turns", "0"], "--agent.max-turns 0: must be >= 1 (model turns per trajectory)"),
