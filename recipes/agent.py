@@ -140,7 +140,8 @@ def check_agent(cfg: Config) -> AgentLimits:
     spec = cfg.agent.env
     if ":" not in spec and spec not in BUILTIN_ENVIRONMENTS:   # most likely a misspelt built-in
         raise ConfigError(f"--agent.env {spec}: not a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}), "
-                          f"nor 'package.module:Class' or 'path/to/file.py:Class'")
+                          "nor 'package.module:Class' or 'path/to/file.py:Class', "
+                          "nor a library's environment ('textarena:GAME', 'gym:ENV')")
     try:
         environment_factory(spec)
     except (ValueError, ImportError, AttributeError) as e:

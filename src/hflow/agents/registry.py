@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 from hflow.agents.environment import Environment, load_environment
 from hflow.agents.multi_question import MultiQuestion
@@ -24,10 +24,23 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
 
 
 def environment_factory(spec: EnvSpec) -> Callable[[], Environment]:
-    """A built-in name, 'module:Class' / 'path/file.py:Class', or a class / picklable factory."""
+    """A built-in name, a library's environment ('textarena:GAME', 'gym:ENV': adapter_factory),
+    'module:Class' / 'path/file.py:Class', or a class / picklable factory."""
     if isinstance(spec, str):
-        return BUILTIN_ENVIRONMENTS[spec] if spec in BUILTIN_ENVIRONMENTS else load_environment(spec)
+        if spec in BUILTIN_ENVIRONMENTS:
+            return BUILTIN_ENVIRONMENTS[spec]
+        return adapter_factory(spec) or load_environment(spec)
     if callable(spec):
         return spec
     raise TypeError(f"an environment spec is a name ({', '.join(BUILTIN_ENVIRONMENTS)}), 'module:Class' or a "
                     f"class, not {type(spec).__name__}")
+
+
+def adapter_factory(spec: str) -> Optional[Callable[[], Environment]]:
+    """The picklable factory of an environment library's adapter (hflow.agents.adapters) when
+    `spec` starts with its prefix ('textarena:GuessTheNumber-v0'), checked before 'module:Class';
+    None for any other spec. A ValueError / ImportError (one line) when the library lacks it or
+    is not installed."""
+    from hflow.agents.adapters import ADAPTERS, adapter
+    prefix, colon, name = spec.partition(":")
+    return adapter(prefix, name, spec) if colon and prefix in ADAPTERS else None
