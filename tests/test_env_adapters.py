@@ -242,16 +242,19 @@ def guessing_model(tmp_path_factory):
 
 
 @pytest.mark.dist
-def test_agent_recipe_trains_on_a_textarena_game(guessing_model, tmp_path):
-    """recipes/agent.py --agent.env textarena:GuessTheNumber-v0: 2 ranks, 2 GRPO steps on the
-    game's own reward (a short reply is bracketed into a guess; its closeness is the reward), held-out
-    games evaluated greedily before and after."""
-    pytest.importorskip("textarena", reason="needs textarena")
-    out = tmp_path / "ta"
+@pytest.mark.parametrize("env, library", [("textarena:GuessTheNumber-v0", "textarena"),
+                                          ("gym:CliffWalking-v1", "gymnasium")], ids=["textarena", "gym"])
+def test_agent_recipe_trains_on_a_library_environment(env, library, guessing_model, tmp_path):
+    """recipes/agent.py --agent.env <a library's environment>: 2 ranks, 2 GRPO steps on its own
+    reward (GuessTheNumber: a short reply is bracketed into a guess, its closeness the reward;
+    CliffWalking: -1 a move, -100 off the cliff, a reply with no action 0), held-out episodes
+    evaluated greedily before and after."""
+    pytest.importorskip(library, reason=f"needs {library}")
+    out = tmp_path / "run"
     torchrun(RECIPE, 2, [
         "--model.path", guessing_model, "--trainer.output-dir", out, "--trainer.steps", 2,
         "--data.batch-size", 4, "--rollout.n", 4, "--rollout.max-tokens", 384, "--agent.max-turn-tokens", 8,
-        "--agent.max-turns", 4, "--agent.env", "textarena:GuessTheNumber-v0", "--agent.reward", "env",
+        "--agent.max-turns", 4, "--agent.env", env, "--agent.reward", "env",
         # one micro-batch a rank: under --model.path's 1024-token budget a rank with fewer prompt groups than
         # the other's micro-batch count gets an empty one, which the forward cannot take (workers/micro_batches)
         "--actor.max-tokens-per-micro-batch", 8192,
@@ -261,8 +264,8 @@ def test_agent_recipe_trains_on_a_textarena_game(guessing_model, tmp_path):
     assert "eval/reward_mean" in logged[0] and "eval/reward_mean" in logged[-1]
     for row in logged[1:]:
         assert row["agent/turns"] >= 1 and row["agent/observation_tokens"] > 0, row
-        assert row["actor/grad_norm"] > 0, row   # the games' rewards differ: something is learned
-    print("textarena run:", json.dumps(logged))   # the figures, for the record (pytest -s)
+        assert row["actor/grad_norm"] > 0, row   # the episodes' rewards differ: something is learned
+    print(f"{env} run:", json.dumps(logged))   # the figures, for the record (pytest -s)
 
 
 @pytest.mark.dist
