@@ -11,7 +11,7 @@ This one plays the embedded default's calculator task, as recipes/agent.py's bui
 `calculator` environment does: the model writes `<calc>127*46</calc>`, the agent computes it and
 shows `<result>5842</result>`, until the model answers without a call. The default model writes
 plain text, not a chat template's turns, so the agent speaks token ids (the /v1/completions
-route: token-in/token-out) and has the endpoint's /tokenize turn each result into the tokens
+route: token-in/token-out) and has the endpoint's /v1/tokenize turn each result into the tokens
 that stand for it. A model with a chat template would use client.chat.completions.create with
 messages and tools= instead; hflow records those turns the same way.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import openai
 
 from hflow.agents.builtin_tools import calculator
@@ -28,10 +27,20 @@ from hflow.rewards.arithmetic import arithmetic_score
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 MAX_TURNS = 8
+# one client for every trajectory of the rollout, copied with each one's base_url: a new client
+# builds its own connection pool and TLS context, ~40 ms of CPU each
+_client = None
+
+
+def client_for(base_url: str) -> openai.OpenAI:
+    global _client
+    if _client is None:
+        _client = openai.OpenAI(base_url=base_url, api_key="hflow", max_retries=0)
+    return _client.with_options(base_url=base_url)
 
 
 def solve(row: dict, base_url: str) -> dict:
-    client = openai.OpenAI(base_url=base_url, api_key="hflow", max_retries=0)
+    client = client_for(base_url)
     ids, calls = list(row["prompt_ids"]), 0
     for _ in range(MAX_TURNS):
         reply = client.completions.create(model="hflow", prompt=ids)
@@ -48,6 +57,5 @@ def solve(row: dict, base_url: str) -> dict:
                 results.append(f"<result>{calculator(expression)}</result>")
             except ToolInputError as e:
                 results.append(f"<result>error: {e}</result>")
-        tokens = httpx.post(base_url.removesuffix("/v1") + "/tokenize", json={"prompt": "".join(results)}, timeout=60)
-        ids += tokens.raise_for_status().json()["tokens"]
+        ids += client.post("/tokenize", body={"prompt": "".join(results)}, cast_to=object)["tokens"]
     return {"reward": 0.0, "tool_calls": calls}

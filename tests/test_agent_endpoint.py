@@ -272,32 +272,34 @@ def test_tool_calls_across_turns_are_the_templates_own_rendering(qwen3):
 def test_one_request_at_a_time_in_a_session(qwen3):
     tok = qwen3
     eot = tok.convert_tokens_to_ids("<|im_end|>")
-    codes = []
+    release, codes = threading.Event(), []
+
+    class Held(ScriptedEngine):
+        def step(self):   # the first request stays on the engine until the second was answered
+            if not release.is_set():
+                time.sleep(0.01)
+                return []
+            return super().step()
+
+    llm = Held(tok, ["one", "two"], [eot])
 
     def agent(row, base_url):
         c = client(base_url)
         messages = [{"role": "user", "content": "hi"}]
-        results = []
-
-        def ask():
-            try:
-                results.append(c.chat.completions.create(model="hflow", messages=messages))
-            except openai.APIStatusError as e:
-                codes.append(e.status_code)
-        threads = [threading.Thread(target=ask) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        first = threading.Thread(target=lambda: c.chat.completions.create(model="hflow", messages=messages))
+        first.start()
+        while not llm.pending:
+            time.sleep(0.01)
+        try:
+            c.chat.completions.create(model="hflow", messages=messages)
+        except openai.APIStatusError as e:
+            codes.append(e.status_code)
+        release.set()
+        first.join()
         return 1.0
 
-    class Slow(ScriptedEngine):
-        def step(self):
-            time.sleep(0.5)
-            return super().step()
-
-    batch = sample_agent_function(Slow(tok, ["one", "two"], [eot]), Batch({"prompt": ["x"]}), agent,
-                                  RolloutConfig(n=1, seed=0, progress=False), AgentLimits(), tok, 0, None)
+    batch = sample_agent_function(llm, Batch({"prompt": ["x"]}), agent, RolloutConfig(n=1, seed=0, progress=False),
+                                  AgentLimits(), tok, 0, None)
     assert codes == [409] and batch["turns"].tolist() == [1]
 
 

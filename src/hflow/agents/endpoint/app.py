@@ -4,7 +4,7 @@ a base_url (`http://127.0.0.1:PORT/sessions/<id>/v1`) and the official client:
 
     POST /sessions/<id>/v1/chat/completions   messages (and tools) in, an assistant message out
     POST /sessions/<id>/v1/completions        token ids (or text) in, tokens out: token-in/token-out
-    POST /sessions/<id>/tokenize              text in, its token ids out (as text: no control tokens),
+    POST /sessions/<id>/v1/tokenize           text in, its token ids out (as text: no control tokens),
                                               for a token-in/token-out agent's observations
     GET  /sessions/<id>/v1/models             the one model, "hflow"
     GET  /health
@@ -59,6 +59,6 @@ def build_app(submit: Submit) -> Starlette:
         Route("/sessions/{session}/v1/chat/completions", chat, methods=["POST"]),
         Route("/sessions/{session}/v1/completions", text, methods=["POST"]),
         Route("/sessions/{session}/v1/models", models, methods=["GET"]),
-        Route("/sessions/{session}/tokenize", tokenize, methods=["POST"]),
+        Route("/sessions/{session}/v1/tokenize", tokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
     ])

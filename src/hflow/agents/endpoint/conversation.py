@@ -234,8 +234,9 @@ class EndpointSession:
         t.add_model_turn(ids, logprobs, text)
         if turn.route == "chat":
             self.known.append(assistant_message(text, turn.with_tools, t.num_turns - 1))
-        end_of_turn = self.renderer.end_of_turn_id if turn.route == "chat" and self.renderer else None
-        self.can_extend = stopped and (end_of_turn is None or ids[-1] == end_of_turn)
+        # a template extends only a turn that ended with its end-of-turn token; a token-route
+        # client extends whatever it was given (the template, if any, is its own)
+        self.can_extend = turn.route != "chat" or (stopped and ids[-1] == self.renderer.end_of_turn_id)
         if not stopped:
             left = self.limits.max_response_tokens - len(t.response_ids())
             if left <= 0 or len(t.token_ids()) >= self.max_model_len:
