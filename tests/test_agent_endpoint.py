@@ -105,6 +105,8 @@ def test_the_client_is_told_the_tokens_the_engine_sampled_and_the_completion_rou
 
 
 def test_a_broken_prefix_is_served_counted_and_never_trained_on(eot_model, tokenizer):
+    said = {}
+
     def editing_agent(row, base_url):
         c = client(base_url)
         messages = [{"role": "user", "content": row["prompt"]}]
@@ -115,7 +117,7 @@ def test_a_broken_prefix_is_served_counted_and_never_trained_on(eot_model, token
         elif row["prompt"].endswith("1 plus 1?"):
             messages.insert(2, {"role": "assistant", "content": "words the model never said"})
         second = c.chat.completions.create(model="hflow", messages=messages, max_tokens=6)
-        assert second.choices[0].message.content is not None   # served all the same
+        said[row["prompt"]] = second.model_extra["hflow"]   # served all the same, and it says how
         return 1.0
 
     limits = AgentLimits(max_turns=6, max_response_tokens=160, max_turn_tokens=32)
@@ -129,6 +131,8 @@ def test_a_broken_prefix_is_served_counted_and_never_trained_on(eot_model, token
     assert (batch["response_mask"][:2] == 0).all(), "nothing of a broken session is trained on"
     assert batch["trajectory_reward"][:2].tolist() == [1.0, 1.0] and not batch["failed"][:2].any()
     assert reasons[2] != "prefix_mismatch" and batch["response_mask"][2].sum() > 0
+    assert [said[p]["recorded"] for p in rows(3)["prompt"]] == [False, False, True]
+    assert said["what is 0 plus 0?"]["mismatch"].startswith("message 0") and said["what is 2 plus 2?"]["mismatch"] is None
 
 
 def test_refusals_limits_and_failures_end_their_own_trajectory_only(eot_model, tokenizer):

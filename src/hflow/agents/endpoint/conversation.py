@@ -157,9 +157,14 @@ class EndpointSession:
         tokens = [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
         lps = [float(x) for x in logprobs]
         if turn.route == "completion":
-            return text_completion(self.id, turn_index, text, finish, turn.prompt_ids, ids, lps, tokens)
-        message = (self.known[-1] if turn.recorded else assistant_message(text, turn.with_tools, turn_index))
-        return chat_completion(self.id, turn_index, message, finish, turn.prompt_ids, ids, lps, tokens)
+            body = text_completion(self.id, turn_index, text, finish, turn.prompt_ids, ids, lps, tokens)
+        else:
+            message = (self.known[-1] if turn.recorded else assistant_message(text, turn.with_tools, turn_index))
+            body = chat_completion(self.id, turn_index, message, finish, turn.prompt_ids, ids, lps, tokens)
+        # the turn says whether it was recorded, and if not, why (the rule in the module docstring)
+        body["hflow"] = {"recorded": turn.recorded, "turn": turn_index, "mismatch": self.mismatch,
+                         "ended": self.ended}
+        return body
 
     # ---- the recording
 
