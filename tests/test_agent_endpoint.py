@@ -158,13 +158,18 @@ def test_refusals_limits_and_failures_end_their_own_trajectory_only(eot_model, t
         if kind == "sleeps":
             c.chat.completions.create(model="hflow", messages=messages, max_tokens=3)
             time.sleep(30)
+        if kind == "per-turn":
+            for _ in range(2):
+                reply = c.chat.completions.create(model="hflow", messages=messages)
+                messages += [reply.choices[0].message, {"role": "user", "content": "again"}]
+            return {"turn_rewards": [0.25, 0.5], "tool_calls": 3}
         if kind == "garbage":
             c.chat.completions.create(model="hflow", messages=messages, max_tokens=3)
             return "yes"
         return 1.0
 
     limits = AgentLimits(max_turns=3, max_response_tokens=400, max_turn_tokens=32, tool_timeout_s=1, step_timeout_s=4)
-    prompts = ["refused a", "loops b", "raises c", "sleeps d", "garbage e"]
+    prompts = ["refused a", "loops b", "raises c", "sleeps d", "garbage e", "per-turn f"]
     began = time.monotonic()
     batch = sample_agent_function(engine(eot_model), Batch({"prompt": prompts}), agent,
                                   RolloutConfig(n=1, seed=2, progress=False), limits, tokenizer, 0, None)
@@ -179,7 +184,10 @@ def test_refusals_limits_and_failures_end_their_own_trajectory_only(eot_model, t
     assert reason["raises c"] == "env_error" and "KeyError" in batch["agent_error"][2] and batch["failed"][2]
     assert reason["sleeps d"] == "env_timeout" and batch["failed"][3]
     assert reason["garbage e"] == "env_error" and "not a finite number" in batch["agent_error"][4]
-    assert batch["trajectory_reward"][1:].tolist() == [0.0] * 4
+    assert batch["trajectory_reward"][1:5].tolist() == [0.0] * 4
+    if reason["per-turn f"] == "done":   # unless a turn was cut at max_turn_tokens
+        assert batch["turn_rewards"][5] == [0.25, 0.5] and batch["trajectory_reward"][5] == 0.75
+        assert batch["tool_calls"][5] == 3
 
 
 # ---- tool calls under Qwen3's template, the engine scripted

@@ -206,7 +206,14 @@ def finished_trajectory(session: EndpointSession, outcome: tuple[str, object]) -
         return t
     if kind == "reward":
         reward, counts = value
-        t.turn_rewards = [0.0] * (t.num_turns - 1) + [reward]
+        if isinstance(reward, list):
+            if len(reward) != t.num_turns:
+                t.finish(ENV_ERROR, f"the agent returned {len(reward)} turn_rewards for {t.num_turns} recorded turns",
+                         failed=True)
+                return t
+            t.turn_rewards = reward
+        else:
+            t.turn_rewards = [0.0] * (t.num_turns - 1) + [reward]
         t.counts.update(counts)
     if session.diverged:
         t.finish(PREFIX_MISMATCH, session.mismatch)

@@ -6,7 +6,9 @@
         return reward                                       # this trajectory's score; None: 0
 
 It may return a dict instead: {"reward": r, "tool_calls": 2, ...}, its other numbers counted on
-the trajectory as an Environment's StepResult.info is (agent/tool_calls and the like).
+the trajectory as an Environment's StepResult.info is (agent/tool_calls and the like); or
+{"turn_rewards": [r0, r1, ...]}, a reward for each of its turns in order (--agent.credit turn
+puts each on its own turn's tokens; the trajectory's reward is their sum).
 
 `row` is the data row (its prompt, answer and other columns), `base_url` the session's own
 address on hflow's endpoint: every request made through it is one turn of this trajectory.
@@ -19,7 +21,7 @@ import functools
 import inspect
 import math
 import numbers
-from typing import Callable
+from typing import Callable, Union
 
 
 def is_agent_function(obj) -> bool:
@@ -29,18 +31,26 @@ def is_agent_function(obj) -> bool:
     return inspect.isfunction(target) or inspect.ismethod(target) or inspect.isbuiltin(target)
 
 
-def call_agent(fn: Callable, row: dict, base_url: str) -> tuple[float, dict]:
+def call_agent(fn: Callable, row: dict, base_url: str) -> tuple[Union[float, list[float]], dict]:
     """Run one agent to its end on this thread (an async one in an event loop of its own);
-    returns its reward (None: 0) and the numbers it counted. Whatever it raises is raised."""
+    returns its reward (None: 0) or its turns' rewards (a list), and the numbers it counted.
+    Whatever it raises is raised."""
     result = fn(row, base_url)
     if inspect.isawaitable(result):
         result = asyncio.run(_awaited(result))
     counts = {}
     if isinstance(result, dict):
-        counts = {k: v for k, v in result.items() if k != "reward"}
+        counts = {k: v for k, v in result.items() if k not in ("reward", "turn_rewards")}
         bad = [k for k, v in counts.items() if not _number(v)]
         if bad:
             raise TypeError(f"the agent function returned {bad[0]}={counts[bad[0]]!r}: its counts must be numbers")
+        if "turn_rewards" in result:
+            if "reward" in result:
+                raise TypeError("the agent function returned both reward and turn_rewards: the reward is their sum")
+            turns = result["turn_rewards"]
+            if not isinstance(turns, (list, tuple)) or not all(_number(r) for r in turns):
+                raise TypeError(f"the agent function returned turn_rewards={turns!r}, not a list of finite numbers")
+            return [float(r) for r in turns], counts
         result = result.get("reward")
     if result is None:
         return 0.0, counts
