@@ -60,6 +60,14 @@ grpo` (divided by the group's std) or drgrpo (not), the KL in the loss. `--agent
 multi_question --data.task arithmetic` is a task for it: three problems in a row, each answer
 rewarded on its own (hflow/agents/multi_question.py; docs/agents.md has what each credit learns).
 
+An agent you already have, written against the official openai client, trains as it is:
+`--agent.env path/file.py:solve` names a function `solve(row, base_url) -> reward`. Each actor
+rank then serves its engine on loopback during the rollout (an OpenAI-compatible endpoint,
+hflow.agents.endpoint) and calls `solve` once per trajectory with the base_url of a session of
+its own; every request through it is one turn, recorded token for token as an environment's
+trajectory is (examples/openai_calculator.py; docs/agents.md says what is recorded and the rule
+for a client that edits its history).
+
 Supports: any environment `module:Class` / `path/file.py:Class` (reset(row), step(text)),
 chat-template models (tool results as the template's own delta) and plain-text ones, the
 estimators and losses above, several PPO epochs and mini-batches, checkpoints and resume,
@@ -95,7 +103,7 @@ from hflow.workers import Actor, Reference
 @dataclass
 class AgentConfig:
     env: str = "calculator"
-    """The environment: a built-in (calculator, calculator_hermes, no_tools), 'package.module:Class' or 'path/to/file.py:Class' (a class with reset(row) and step(text), e.g. a subclass of hflow.agents.Environment)."""
+    """The environment: a built-in (calculator, calculator_hermes, no_tools, multi_question), a library's (textarena:GAME, gym:ENV), 'package.module:Class' or 'path/to/file.py:Class' (a class with reset(row) and step(text), e.g. a subclass of hflow.agents.Environment), or an agent function 'path/to/file.py:solve' (solve(row, base_url) -> reward, written with the openai client; hflow serves it the engine)."""
     reward: Literal["env", "fn", "sum"] = "env"
     """A trajectory's score: env (the environment's reward; the built-ins score the final answer by --reward.fn), fn (--reward.fn / --reward.model on all the model's text, observations left out), or sum (both)."""
     max_turns: int = AgentLimits.max_turns
