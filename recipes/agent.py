@@ -72,8 +72,11 @@ Supports: any environment `module:Class` / `path/file.py:Class` (reset(row), ste
 chat-template models (tool results as the template's own delta) and plain-text ones, the
 estimators and losses above, several PPO epochs and mini-batches, checkpoints and resume,
 colocated or split placement; an environment's per-turn rewards, summed onto its trajectory or
-credited turn by turn. Not (yet): DAPO's dynamic sampling and overlong shaping, a
-tensor-parallel engine (`--rollout.tp-size 1` only).
+credited turn by turn; a tensor-parallel engine (`--rollout.tp-size`: the tp group's first rank
+runs the group's sessions, the others replay its engine steps, hflow/workers/lockstep_engine.py);
+asynchronous steps (`--trainer.async-steps k`, `--trainer.partial-rollouts`: a rollout group on
+ranks of its own runs the next k steps' trajectories, each model turn's policy version recorded:
+async/turn_staleness_*). Not (yet): DAPO's dynamic sampling and overlong shaping.
 """
 from __future__ import annotations
 
@@ -158,9 +161,6 @@ def check_agent(cfg: Config) -> AgentLimits:
         raise ConfigError(f"--reward.model {cfg.reward.model} with --agent.reward env: the reward model would "
                           "score nothing; use --agent.reward fn or sum")
     check_credit(cfg)
-    if cfg.rollout.tp_size != 1:
-        raise ConfigError(f"--rollout.tp-size {cfg.rollout.tp_size}: multi-turn rollouts need 1 (a tensor-parallel "
-                          "engine cannot yet wait for its ranks' tool calls)")
     a = cfg.agent
     return AgentLimits(max_turns=a.max_turns, max_response_tokens=cfg.rollout.max_tokens,
                        max_turn_tokens=a.max_turn_tokens, max_observation_tokens=a.max_observation_tokens,
@@ -258,7 +258,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
     algo = resolve_critic_free(cfg.algo)
     # split: the models that only read (reference, reward model) on ranks of their own
     sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward)]
-    setup = set_up(cluster, cfg, sets, algo="grpo", default=EMBEDDED)   # every input checked, then the warm-up
+    # every input checked, then the warm-up; a rollout group of its own with --trainer.async-steps
+    setup = set_up(cluster, cfg, sets, algo="grpo", default=EMBEDDED, asynchronous=True)
     if not cfg.model.path and not cfg.data.train_files and cfg.data.task == "multiply":
         # the embedded default's starting policy calls its calculator now and then (see the docstring)
         setup = dataclasses.replace(setup, model_dir=tool_calling_policy(cluster, setup.model_dir, setup.train,
@@ -267,12 +268,16 @@ def main(cluster: hflow.Cluster, cfg: Config):
     rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
+    rollouts = setup.rollouts(cluster, actor)   # None: the actor's own engine runs the trajectories
+    if rollouts:   # a rollout group runs the next steps' trajectories while this one trains
+        rollouts.with_agent(env, limits)
     # held-out evaluation runs the tools too, greedily: a single-turn answer would not show what was learned
     evaluate_fn = functools.partial(
         evaluate, actor, setup.val, setup.tokenizer, rewards.rule, cfg.rollout, cfg.trainer.eval_size, sampled=False,
         respond=held_out_trajectories(actor, setup.tokenizer, rewards.rule, cfg, limits),
         batch_figures=functools.partial(agent_rollout_metrics, prefix="eval/agent/"))
-    run = setup.run(actor, rewards, trained={"actor": actor}, evaluate_fn=evaluate_fn)
+    run = setup.run(actor, rewards, trained={"actor": actor}, evaluate_fn=evaluate_fn,
+                    state={"rollouts": rollouts} if rollouts else None)
     old = setup.old_log_probs(kl_in_reward=ref is not None and algo.kl_in_reward)
     loss_fn = functools.partial(critic_free_loss, algo=algo, correction=old.correction)
     estimator = algos.estimator(algo.estimator)
@@ -282,9 +287,14 @@ def main(cluster: hflow.Cluster, cfg: Config):
         with timer("step"):
             with timer("generate"):
                 # a seed per step: a resumed run draws the trajectories the uninterrupted one drew
-                rollout = cfg.rollout.for_step(step)
-                batch = actor.generate_agent(agent_prompt_batch(next(setup.sampler)), env, rollout, limits)
+                if rollouts:   # generated ahead, while earlier steps trained; staleness per row and per turn
+                    batch, async_metrics = rollouts.take(step)
+                else:
+                    rollout = cfg.rollout.for_step(step)
+                    batch, async_metrics = actor.generate_agent(agent_prompt_batch(next(setup.sampler)), env,
+                                                                rollout, limits), {}
             scores, metrics = trajectory_scores(batch, rewards, cfg)
+            metrics |= async_metrics
             mask = batch["response_mask"]
             with timer("log_probs"):
                 refs = [ref.log_probs.future(batch, temperature)] if ref else []
@@ -305,6 +315,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
                 metrics |= turn_reward_means(batch)
             with timer("update"):
                 metrics |= actor.update(batch, loss_fn, loss_agg=algo.loss_agg)[0]
+            if rollouts:   # the new weights to the rollout group, behind the trajectories already issued
+                rollouts.push(step)
         run.end_step(step, metrics | step_metrics(batch, timer.pop()) | agent_rollout_metrics(batch))
     run.finish()
     rewards.close()
