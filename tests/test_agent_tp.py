@@ -170,3 +170,63 @@ def test_agent_trajectories_at_tp_2_are_those_of_tp_1(eot_model, tmp_path):  # n
     for r in (one, two):
         assert r["max_diff"] < 1e-4, r["max_diff"]
     print({k: v for k, v in two["metrics"].items() if not k.startswith("agent/failures")})
+
+
+ROLLOUT_GROUP = '''
+import dataclasses, json, sys
+import hflow
+from hflow.agents import AgentLimits, Environment, StepResult
+from hflow.batch import Batch
+from hflow.workers import Actor, ActorConfig, RolloutConfig
+from hflow.workers.rollout import Rollout
+
+path, out = sys.argv[1], sys.argv[2]
+
+
+class FixedTurns(Environment):
+    def reset(self, row):
+        self.left = 3
+        return row["prompt"]
+
+    def step(self, text):
+        self.left -= 1
+        return StepResult(None, 1.0, True) if self.left == 0 else StepResult(f" observation {self.left}")
+
+
+def main(cluster, _):
+    cfg = ActorConfig(model_path=path)
+    actor = cluster.spawn(Actor, cfg, ranks=[0])
+    one = RolloutConfig(n=2, seed=11, progress=False, kv_cache_bytes=64 << 20, block_size=4)
+    two = dataclasses.replace(one, tp_size=2)
+    rollout = cluster.spawn(Rollout, cfg, two, ranks=[1, 2])
+    manifest = actor.weight_manifest()   # (before the push, which holds rank 0 until the receive joins it)
+    pushed = actor.push_weights.future(rollout.ranks)
+    rollout.receive_weights(0, manifest, actor.ranks[0])
+    pushed.result()
+    rows = Batch({"prompt": [f"what is {i} times {i}?" for i in range(4)]})
+    limits = AgentLimits(max_turns=4, max_response_tokens=96, max_turn_tokens=24)
+    want = actor.generate_agent(rows, FixedTurns, one, limits)
+    got = rollout.generate_agent(rows, FixedTurns, two, limits)
+    def streams(b):
+        return [r[m].tolist() for r, m in zip(b["input_ids"], b["attention_mask"].bool())]
+    json.dump({"same": streams(want) == streams(got), "turns": got["turns"].tolist(),
+               "policy_version": got["policy_version"].tolist(),
+               "turn_policy_version": got["turn_policy_version"].tolist()}, open(out, "w"))
+
+
+if __name__ == "__main__":
+    hflow.launch(main)
+'''
+
+
+@pytest.mark.dist
+def test_a_rollout_group_at_tp_2_runs_the_actors_trajectories_and_records_their_version(eot_model, tmp_path):  # noqa: F811
+    """The actor on rank 0 at tp 1, a rollout group on ranks 1-2 at tp 2 (rank 1 leads) fed by a
+    push: the same trajectories; every turn by version 0."""
+    out = tmp_path / "group.json"
+    torchrun(ROLLOUT_GROUP, 3, [eot_model, out], tmp_path=tmp_path, timeout=400, env={"HFLOW_DEVICE": "cpu"}).check()
+    found = json.loads(out.read_text())
+    assert found["same"] and max(found["turns"]) > 1, found
+    assert found["policy_version"] == [0] * 8
+    assert all(v == (0 if i < n else -1) for row, n in zip(found["turn_policy_version"], found["turns"])
+               for i, v in enumerate(row))
