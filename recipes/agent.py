@@ -152,7 +152,7 @@ def check_agent(cfg: Config) -> AgentLimits:
     if ":" not in spec and spec not in BUILTIN_ENVIRONMENTS:   # most likely a misspelt built-in
         raise ConfigError(f"--agent.env {spec}: not a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}), "
                           "nor 'package.module:Class' or 'path/to/file.py:Class', "
-                          "nor a library's environment ('textarena:GAME', 'gym:ENV')")
+                          "nor a library's environment ('textarena:GAME', 'gym:ENV', 'verifiers:TASKSET')")
     try:
         environment_factory(spec)
     except (ValueError, ImportError, AttributeError) as e:

@@ -277,3 +277,148 @@ def test_agent_recipe_refuses_a_multi_player_game_before_anything_loads(tmp_path
     assert len(errors) == 1 and "--agent.env textarena:TicTacToe-v0: TicTacToe-v0 is a game for 2 players" in errors[0], \
         run.output
     assert re.search(r"exitcode\s*:\s*2\b", run.output), run.output
+
+
+# ---- verifiers (an agent function over hflow's OpenAI-compatible endpoint)
+
+DIGIT_TASKSET = '''
+import verifiers.v1 as vf
+
+
+class DigitData(vf.TaskData):
+    digit: int
+
+
+class DigitTask(vf.Task[DigitData]):
+    @vf.reward(weight=1.0)
+    async def closeness(self, trace: vf.Trace) -> float:
+        """The reply's first digit against the task's: 1 when it is, 0 for no digit."""
+        digit = next((c for c in trace.last_reply if c in "0123456789"), None)
+        return 0.0 if digit is None else 1 - abs(int(digit) - self.data.digit) / 9
+
+
+class DigitConfig(vf.TasksetConfig):
+    num_tasks: int = 10
+
+
+class DigitTaskset(vf.Taskset[DigitTask, DigitConfig]):
+    def load(self):
+        return [DigitTask(DigitData(prompt=f"Guess my digit ({i % 3} is not it). Reply with one digit.", digit=i),
+                          self.config.task) for i in range(self.config.num_tasks)]
+
+
+__all__ = ["DigitTaskset"]
+'''
+
+
+@pytest.fixture(scope="module")
+def digit_taskset(tmp_path_factory):
+    """A verifiers taskset of one-turn tasks (guess a digit, rewarded by closeness; no taskset
+    verifiers ships runs offline: its textarena games download nltk corpora, the others need
+    containers or remote services), installed as
+    the module vf_digit on sys.path (PYTHONPATH for the ranks)."""
+    pytest.importorskip("verifiers.v1", reason="the verifiers adapter's tests need verifiers >= 0.4")
+    folder = tmp_path_factory.mktemp("vf_digit")
+    (folder / "vf_digit.py").write_text(DIGIT_TASKSET)
+    sys.path.insert(0, str(folder))
+    yield str(folder)
+    sys.path.remove(str(folder))
+
+
+def test_a_whole_response_streamed_parses_back_to_itself_in_verifiers():
+    """The relay's server-sent events, read by verifiers' own stream parser, give back the
+    message and finish reason hflow's endpoint answered, tool calls included."""
+    pytest.importorskip("verifiers.v1", reason="needs verifiers >= 0.4")
+    from verifiers.v1.dialects.chat import ChatStreamParser
+    from hflow.agents.adapters.verifiers import stream_chunks
+    completion = {"id": "c1", "object": "chat.completion", "created": 1, "model": "hflow",
+                  "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                      "role": "assistant", "content": "Let me add.",
+                      "tool_calls": [{"id": "call_0", "type": "function",
+                                      "function": {"name": "add", "arguments": "{\"a\": 1, \"b\": 2}"}}]}}],
+                  "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}
+    parser = ChatStreamParser()
+    for chunk in stream_chunks(completion):
+        parser.feed(f"data: {json.dumps(chunk)}\n\n".encode())
+    parser.feed(b"data: [DONE]\n\n")
+    assert parser.finish_reason == "tool_calls" and parser.usage == completion["usage"]
+    assert "".join(parser.message_parts["content"]) == "Let me add."
+    call = parser.tool_calls[0]
+    assert call["id"] == "call_0" and call["function"]["name"] == "add"
+    assert "".join(parser.tool_inputs.get(0, [])) or call["function"]["arguments"] == "{\"a\": 1, \"b\": 2}"
+
+
+def test_verifiers_agent_runs_an_episode_against_a_non_streaming_endpoint(digit_taskset):
+    """The agent function against a stand-in for hflow's endpoint (whole responses only, streaming
+    refused as hflow refuses it): verifiers' harness program asks, the relay answers, the task's
+    own @reward scores the reply, and the agent returns it."""
+    import socket
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from hflow.agents.endpoint.agent_function import call_agent, is_agent_function
+    asked = []
+
+    async def chat(request):
+        body = await request.json()
+        if body.get("stream"):
+            return JSONResponse({"error": {"message": "streaming is not served"}}, status_code=400)
+        asked.append((request.path_params["sid"], body["messages"][-1]["content"]))
+        return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "hflow", "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "7"}}]})
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/sessions/{sid}/v1/chat/completions", chat,
+                                                                   methods=["POST"])]),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        agent = pickle.loads(pickle.dumps(environment_factory("verifiers:vf_digit")))
+        assert is_agent_function(agent)
+        for task, sid in ((3, "a"), (9, "b")):
+            reward, counts = call_agent(agent, {"task": task, "prompt": "ignored"}, f"http://127.0.0.1:{port}/sessions/{sid}/v1")
+            assert reward == pytest.approx(1 - abs(7 - task) / 9) and counts == {"verifiers_turns": 1}, (reward, counts)
+        assert asked == [("a", "Guess my digit (0 is not it). Reply with one digit."),
+                         ("b", "Guess my digit (0 is not it). Reply with one digit.")]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_verifiers_names_are_checked_in_one_line(digit_taskset, monkeypatch):
+    with pytest.raises(ValueError, match=r"^environment 'verifiers:no_such_taskset': no verifiers taskset"):
+        environment_factory("verifiers:no_such_taskset")
+    from hflow.agents.adapters import verifiers as adapter
+    adapter.check_taskset.cache_clear()
+    monkeypatch.setitem(sys.modules, "verifiers", None)
+    with pytest.raises(ImportError, match=r"pip install 'hflow\[verifiers\]'"):
+        environment_factory("verifiers:vf_digit")
+    adapter.check_taskset.cache_clear()
+
+
+@pytest.mark.dist
+def test_agent_recipe_trains_on_a_verifiers_taskset_through_the_endpoint(digit_taskset, guessing_model, tmp_path):
+    """recipes/agent.py --agent.env verifiers:vf_digit: each trajectory is one verifiers episode
+    (its harness program in a subprocess, its requests through hflow's endpoint as the session's
+    turns), scored by the taskset's own @reward; 2 ranks, 2 GRPO steps."""
+    import os
+    out = tmp_path / "run"
+    torchrun(RECIPE, 2, [
+        "--model.path", guessing_model, "--trainer.output-dir", out, "--trainer.steps", 2,
+        "--data.batch-size", 2, "--rollout.n", 4, "--rollout.max-tokens", 64, "--agent.max-turn-tokens", 8,
+        "--agent.env", "verifiers:vf_digit", "--agent.reward", "env",
+        # a rank's first episode prepares verifiers' harness program (uv, once a machine) beside the others
+        "--agent.step-timeout-s", 300,
+        "--actor.max-tokens-per-micro-batch", 8192,
+        "--trainer.eval-size", 4, "--trainer.logging.no-progress-bars", "--trainer.no-export"], timeout=590,
+        env={"PYTHONPATH": os.pathsep.join([digit_taskset, os.environ.get("PYTHONPATH", "")])}).check()
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    print("verifiers run:", json.dumps(logged))
+    for row in logged[1:]:
+        assert row["agent/turns"] == 1 and row["agent/failed"] == 0, row
+        assert row["actor/grad_norm"] > 0, row   # the replies' rewards differ: something is learned

@@ -2,6 +2,7 @@
 
     --agent.env textarena:GuessTheNumber-v0   a TextArena single-player game (textarena.py)
     --agent.env gym:FrozenLake-v1             a gymnasium environment with discrete or text actions (gymnasium.py)
+    --agent.env verifiers:TASKSET             a verifiers taskset's episodes, an agent function over hflow's endpoint (verifiers.py)
 
 Each wraps the library's own environment in an hflow Environment: reset(row) makes the library's
 environment and resets it with a seed taken from the row (`row_seed`), step(text) passes the
@@ -30,6 +31,7 @@ ADAPTERS: dict[str, tuple[str, str, str]] = {
     "textarena": ("hflow.agents.adapters.textarena", "textarena", "textarena"),
     "gym": ("hflow.agents.adapters.gymnasium", "gymnasium", "gymnasium"),
     "gymnasium": ("hflow.agents.adapters.gymnasium", "gymnasium", "gymnasium"),
+    "verifiers": ("hflow.agents.adapters.verifiers", "verifiers", "verifiers"),
 }
 
 
@@ -49,9 +51,14 @@ def require(library: str, spec: str):
     except ModuleNotFoundError as e:
         if e.name != library:
             raise
-        extra = next(extra for _, lib, extra in ADAPTERS.values() if lib == library)
-        raise ImportError(f"environment {spec!r}: the {library} package is not installed "
-                          f"(pip install 'hflow[{extra}]', or pip install {library})") from None
+        raise missing(library, spec) from None
+
+
+def missing(library: str, spec: str) -> ImportError:
+    """The one line for a library that is not installed: which extra installs it."""
+    extra = next((extra for _, lib, extra in ADAPTERS.values() if lib == library), library)
+    return ImportError(f"environment {spec!r}: the {library} package is not installed "
+                       f"(pip install 'hflow[{extra}]', or pip install {library})")
 
 
 def row_seed(row: dict) -> int:
