@@ -21,7 +21,6 @@ from dist import torchrun  # noqa: E402
 from hflow.agents import AgentLimits  # noqa: E402
 from hflow.batch import Batch  # noqa: E402
 from hflow.engine.sequence import RequestOutput, CompletionOutput  # noqa: E402
-from hflow.workers.agent_endpoint import sample_agent_function  # noqa: E402
 from hflow.workers.agent_rollout import sample_agent  # noqa: E402
 from hflow.workers.rollout_batches import RolloutConfig  # noqa: E402
 from test_agent_rollout import LIMITS, ROLLOUT, FixedTurns, engine, eot_model, rows, tokenizer, trajectories  # noqa: F401,E402
@@ -46,7 +45,7 @@ def fixed_turns_agent(row, base_url):
 
 def test_an_agent_function_records_what_the_environment_path_records(eot_model, tokenizer):
     reference = sample_agent(engine(eot_model), rows(4), FixedTurns, ROLLOUT, LIMITS, tokenizer, 0, None)
-    served = sample_agent_function(engine(eot_model), rows(4), fixed_turns_agent, ROLLOUT, LIMITS, tokenizer, 0, None)
+    served = sample_agent(engine(eot_model), rows(4), fixed_turns_agent, ROLLOUT, LIMITS, tokenizer, 0, None)
     print(served["finish_reason"], served["turns"].tolist())
     assert (served["turns"] > 1).all() and "done" in served["finish_reason"]
     assert trajectories(served) == trajectories(reference)
@@ -88,7 +87,7 @@ def test_the_client_is_told_the_tokens_the_engine_sampled_and_the_completion_rou
 
     llm = engine(eot_model)
     spy = Spy(llm)
-    batch = sample_agent_function(llm, rows(2), agent, RolloutConfig(n=1, seed=3, progress=False), LIMITS, tokenizer,
+    batch = sample_agent(llm, rows(2), agent, RolloutConfig(n=1, seed=3, progress=False), LIMITS, tokenizer,
                                   0, None)
     assert batch["turns"].tolist() == [2, 2] and batch["finish_reason"] == ["done", "done"]
     assert batch["trajectory_reward"].tolist() == [0.5, 0.5]
@@ -121,7 +120,7 @@ def test_a_broken_prefix_is_served_counted_and_never_trained_on(eot_model, token
         return 1.0
 
     limits = AgentLimits(max_turns=6, max_response_tokens=160, max_turn_tokens=32)
-    batch = sample_agent_function(engine(eot_model), rows(3), editing_agent, RolloutConfig(n=1, seed=5, progress=False),
+    batch = sample_agent(engine(eot_model), rows(3), editing_agent, RolloutConfig(n=1, seed=5, progress=False),
                                   limits, tokenizer, 0, None)
     reasons = batch["finish_reason"]
     print(reasons, batch["agent_error"])
@@ -171,7 +170,7 @@ def test_refusals_limits_and_failures_end_their_own_trajectory_only(eot_model, t
     limits = AgentLimits(max_turns=3, max_response_tokens=400, max_turn_tokens=32, tool_timeout_s=1, step_timeout_s=4)
     prompts = ["refused a", "loops b", "raises c", "sleeps d", "garbage e", "per-turn f"]
     began = time.monotonic()
-    batch = sample_agent_function(engine(eot_model), Batch({"prompt": prompts}), agent,
+    batch = sample_agent(engine(eot_model), Batch({"prompt": prompts}), agent,
                                   RolloutConfig(n=1, seed=2, progress=False), limits, tokenizer, 0, None)
     print(batch["finish_reason"], batch["agent_error"], errors)
     assert time.monotonic() - began < 25, "a sleeping agent costs its own timeout, not the rollout's wait"
@@ -255,7 +254,7 @@ def test_tool_calls_across_turns_are_the_templates_own_rendering(qwen3):
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] * args["b"])})
 
     llm = ScriptedEngine(tok, turns, [eot])
-    batch = sample_agent_function(llm, Batch({"prompt": ["27*82*2?"]}), agent, RolloutConfig(n=1, seed=0, progress=False),
+    batch = sample_agent(llm, Batch({"prompt": ["27*82*2?"]}), agent, RolloutConfig(n=1, seed=0, progress=False),
                                   AgentLimits(max_turns=5, max_response_tokens=600), tok, 0, None)
     assert batch["finish_reason"] == ["done"] and batch["trajectory_reward"].tolist() == [1.0]
     assert batch["turns"].tolist() == [3]
@@ -310,7 +309,7 @@ def test_one_request_at_a_time_in_a_session(qwen3):
         first.join()
         return 1.0
 
-    batch = sample_agent_function(llm, Batch({"prompt": ["x"]}), agent, RolloutConfig(n=1, seed=0, progress=False),
+    batch = sample_agent(llm, Batch({"prompt": ["x"]}), agent, RolloutConfig(n=1, seed=0, progress=False),
                                   AgentLimits(), tok, 0, None)
     assert codes == [409] and batch["turns"].tolist() == [1]
 
@@ -346,3 +345,79 @@ def test_the_openai_calculator_example_trains_exactly_as_the_builtin_calculator(
         s = {k: v for k, v in s.items() if "prefix_mismatches" not in k and "unrecorded_turns" not in k}
         assert {k: v for k, v in b.items() if not k.startswith(ENGINE_GAP)} == \
             {k: v for k, v in s.items() if not k.startswith(ENGINE_GAP)}
+
+
+def test_a_served_rollout_records_each_turns_policy_version(eot_model, tokenizer):  # noqa: F811
+    """As a rollout group's generate_agent runs it (workers/rollout.py): versions per turn, and
+    between_steps called while the agents work."""
+    version, calls = [3], []
+
+    def between():
+        calls.append(1)
+        if len(calls) == 5:
+            version[0] = 4   # as if new weights were taken here (the engine's weight_changes stay empty)
+    batch = sample_agent(engine(eot_model), rows(2), fixed_turns_agent, ROLLOUT, LIMITS, tokenizer, 0, None,
+                         version=lambda: version[0], between_steps=between)
+    assert calls and (batch["policy_version"] == 3).all()
+    for b in range(len(batch)):
+        turns = batch["turn_policy_version"][b][:batch["turns"][b]].tolist()
+        assert turns[0] == 3 and set(turns) <= {3, 4} and turns == sorted(turns)
+        assert (batch["turn_policy_version"][b][batch["turns"][b]:] == -1).all()
+
+
+TP = '''
+import json, sys
+import hflow
+from hflow.agents import AgentLimits
+from hflow.batch import Batch
+from hflow.workers import Actor, ActorConfig, RolloutConfig
+import openai
+
+path, out = sys.argv[1], sys.argv[2]
+
+
+def solve(row, base_url):   # in __main__ on every rank, so the spec pickles
+    import torch.distributed as dist
+    with open(out + ".ranks", "a") as f:
+        print(dist.get_rank(), file=f)
+    c = openai.OpenAI(base_url=base_url, api_key="hflow", max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for left in (2, 1, 0):
+        reply = c.chat.completions.create(model="hflow", messages=messages)
+        if left == 0:
+            return 1.0
+        messages += [reply.choices[0].message, {"role": "user", "content": f" observation {left}"}]
+
+
+def main(cluster, _):
+    actor = cluster.spawn(Actor, ActorConfig(model_path=path))
+    rows = Batch({"prompt": [f"what is {i} plus {i}?" for i in range(4)]})
+    limits = AgentLimits(max_turns=6, max_response_tokens=160, max_turn_tokens=32)
+    found = {}
+    for tp in (1, 2):
+        rollout = RolloutConfig(n=2, seed=7, progress=False, kv_cache_bytes=64 << 20, block_size=4, tp_size=tp)
+        batch = actor.generate_agent(rows, solve, rollout, limits)
+        real = batch["attention_mask"].bool()
+        found[tp] = {"trajectories": [r[m].tolist() for r, m in zip(batch["input_ids"], real)],
+                     "finish": batch["finish_reason"], "turns": batch["turns"].tolist(),
+                     "ranks": sorted(set(open(out + ".ranks").read().split()))}
+        open(out + ".ranks", "w").close()
+    json.dump(found, open(out, "w"))
+
+
+if __name__ == "__main__":
+    hflow.launch(main)
+'''
+
+
+@pytest.mark.dist
+def test_served_agents_at_tp_2_are_those_of_tp_1(eot_model, tmp_path):  # noqa: F811
+    """At tp 2 the group's leader serves both ranks' sessions (the followers replay its engine
+    steps): the same trajectories as at tp 1, where each rank serves its own."""
+    out = tmp_path / "tp.json"
+    torchrun(TP, 2, [eot_model, out], tmp_path=tmp_path, timeout=400, env={"HFLOW_DEVICE": "cpu"}).check()
+    found = json.loads(out.read_text())
+    one, two = found["1"], found["2"]
+    assert one["trajectories"] == two["trajectories"] and one["finish"] == two["finish"]
+    assert max(one["turns"]) > 1 and "done" in one["finish"]
+    assert one["ranks"] == ["0", "1"] and two["ranks"] == ["0"]

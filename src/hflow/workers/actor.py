@@ -221,8 +221,7 @@ class Actor(CausalLMWorker):
         Returns the layout's tensors (response_mask 1 only on the model's tokens) and per-row
         trajectory_reward, finish_reason, turns, tool calls, prefill counts (see
         agent_rollout.sample_agent; hflow.agents.agent_rollout_metrics turns them into figures)."""
-        from hflow.agents import AgentLimits, environment_factory
-        from hflow.agents.endpoint.agent_function import is_agent_function
+        from hflow.agents import AgentLimits
         from hflow.workers import agent_rollout
         llm = self.hybrid_engine.agent_engine(rollout)
         if getattr(self, "_agent_tokenizer", None) is None:
@@ -232,11 +231,6 @@ class Actor(CausalLMWorker):
         pad_id = layout.pad_id(config)
         # dispatch cuts the rows into equal contiguous shards in dp order: this shard's first global row
         offset = self.mesh.get_local_rank("dp") * len(rows) if "dp" in (self.mesh.mesh_dim_names or ()) else 0
-        agent_fn = environment_factory(env)
-        if is_agent_function(agent_fn):   # an agent written against the OpenAI client: served over HTTP
-            from hflow.workers.agent_endpoint import sample_agent_function
-            return sample_agent_function(llm, rows, agent_fn, rollout, limits or AgentLimits(), self._agent_tokenizer,
-                                         pad_id, self.mesh, row_offset=offset)
         return agent_rollout.sample_agent(llm, rows, env, rollout, limits or AgentLimits(), self._agent_tokenizer,
                                           pad_id, self.mesh, row_offset=offset)
 

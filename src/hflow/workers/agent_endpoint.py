@@ -1,6 +1,6 @@
 """Multi-turn rollouts of agents written against the OpenAI client, on an actor rank (issue 45).
 
-    batch = sample_agent_function(llm, rows, solve, rollout, limits, tokenizer, pad_id, mesh)
+    batch = sample_agent(llm, rows, "file.py:solve", rollout, limits, tokenizer, pad_id, mesh)   # agent_rollout's
 
 For the rollout, this rank serves its engine on loopback (agents.endpoint: an ASGI app under
 uvicorn), and runs `solve(row, base_url)` for every (row, sample) on a thread of its own, each
@@ -28,11 +28,12 @@ import time
 import traceback
 from collections import Counter
 from concurrent.futures import Future
-from typing import Callable
+from bisect import bisect_right
+from typing import Callable, Optional
 
 import torch
 
-from hflow.agents import AgentLimits, Trajectory, trajectory_columns, trajectory_tensors
+from hflow.agents import AgentLimits, Trajectory
 from hflow.agents.endpoint.agent_function import call_agent
 from hflow.agents.endpoint.app import build_app
 from hflow.agents.endpoint.conversation import PREFIX_MISMATCH, EndpointSession, PendingTurn, Renderers
@@ -40,10 +41,9 @@ from hflow.agents.endpoint.openai_format import RequestError, error_body
 from hflow.agents.endpoint.server import LoopbackServer
 from hflow.agents.render import TemplateError
 from hflow.agents.trajectory import DONE, ENV_ERROR, ENV_TIMEOUT
-from hflow.batch import Batch
 from hflow.engine import LLM, SamplingParams
-from hflow.workers.agent_rollout import _PROMPT_COLUMNS, _batchable, row_dicts, turn_seed
-from hflow.workers.rollout_batches import RolloutConfig, group_max
+from hflow.workers.agent_rollout import _OFFER_POLL_S, turn_seed
+from hflow.workers.rollout_batches import RolloutConfig
 
 
 class EndpointDriver:
@@ -51,8 +51,11 @@ class EndpointDriver:
     from the HTTP server, or an agent's return."""
 
     def __init__(self, llm: LLM, sessions: dict[str, EndpointSession], keys: dict[str, tuple], rollout: RolloutConfig,
-                 stop_ids: list[int]):
+                 stop_ids: list[int], version: Optional[Callable[[], int]] = None,
+                 between_steps: Optional[Callable[[], None]] = None):
         self.llm, self.sessions, self.keys, self.rollout, self.stop_ids = llm, sessions, keys, rollout, stop_ids
+        self.version, self.between_steps = version, between_steps
+        self.queued_at: dict[tuple, int] = {}          # request -> the policy version when it was queued
         self.events: queue.Queue = queue.Queue()
         self.in_flight: dict[tuple, tuple[EndpointSession, PendingTurn, Future]] = {}
         self.requests: Counter = Counter()            # per session: requests queued on the engine
@@ -77,12 +80,19 @@ class EndpointDriver:
         try:
             while len(self.outcomes) < len(self.sessions) or self.in_flight:
                 busy = self.llm.has_unfinished()
-                self._take_events(wait=0.0 if busy else self._time_to_next_deadline())
+                # idle: wait for a request, a return or a deadline (and, in a partial rollout, look
+                # for offered weights every _OFFER_POLL_S, as run_sessions does)
+                wait = self._time_to_next_deadline()
+                if self.between_steps is not None:
+                    wait = min(wait, _OFFER_POLL_S)
+                self._take_events(wait=0.0 if busy else wait)
                 if self.llm.has_unfinished():
                     for out in self.llm.step():
                         c = out.outputs[0]
                         self.prefill_computed[out.request_id[0]] += len(out.prompt_token_ids) - out.num_cached_tokens
-                        self._answer(out.request_id, c.token_ids, c.logprobs)
+                        self._answer(out.request_id, c)
+                if self.between_steps is not None:
+                    self.between_steps()
                 self._expire()
         except BaseException:
             for request_id, (_, _, future) in self.in_flight.items():
@@ -150,6 +160,8 @@ class EndpointDriver:
             return
         self.requests[sid] += 1
         self.prefill_total[sid] += len(turn.prompt_ids)
+        if self.version is not None:
+            self.queued_at[request_id] = self.version()
         session.in_flight = True
         self.in_flight[request_id] = (session, turn, future)
 
@@ -158,12 +170,17 @@ class EndpointDriver:
         session.last_answered = time.monotonic()   # an answer all the same: the agent's own time starts again
         future.set_result((status, body))
 
-    def _answer(self, request_id, token_ids, logprobs) -> None:
+    def _answer(self, request_id, output) -> None:
         session, turn, future = self.in_flight.pop(request_id)
         session.in_flight = False
         session.last_answered = time.monotonic()
         try:
-            future.set_result((200, session.answer(turn, token_ids, logprobs)))
+            body = session.answer(turn, output.token_ids, output.logprobs)
+            if self.version is not None and turn.recorded:   # the turn just recorded: its tokens' versions
+                first, changes = self.queued_at.pop(request_id), sorted(output.weight_changes)
+                session.trajectory.segments[-1].policy_versions = [
+                    first + bisect_right(changes, t) for t in range(len(output.token_ids))]
+            future.set_result((200, body))
         except Exception as e:
             traceback.print_exc()
             future.set_result((500, error_body(f"hflow could not answer: {type(e).__name__}: {e}", "internal_error")))
@@ -230,47 +247,38 @@ def end_of_turn_ids(tokenizer, renderers: Renderers) -> list[int]:
         return []
 
 
-def sample_agent_function(llm: LLM, rows: Batch, agent_fn: Callable, rollout: RolloutConfig, limits: AgentLimits,
-                          tokenizer, pad_id: int, mesh, row_offset: int = 0) -> Batch:
-    """`rollout.n` trajectories per row, each the session of one call of `agent_fn(row, base_url)`
-    (agents.endpoint.agent_function), on `llm` (awake, weights loaded, idle). The batch is
-    agent_rollout.sample_agent's, with response_mask 0 on a trajectory whose client broke its
-    recorded prefix (finish reason prefix_mismatch) and the columns prefix_mismatches and
-    unrecorded_turns. Every rank of `mesh` must call it (widths agree)."""
-    dicts = row_dicts(rows, tokenizer)
+def serve_parts(llm, parts: list[tuple[int, list[dict]]], agent_fn: Callable, rollout: RolloutConfig,
+                limits: AgentLimits, tokenizer, version: Optional[Callable[[], int]] = None,
+                between_steps: Optional[Callable[[], None]] = None) -> list[list[tuple]]:
+    """agent_rollout.run_parts for an agent function: every part's (its first global row, its
+    rows' dicts) `rollout.n` calls of `agent_fn(row, base_url)`, served from one engine (an LLM
+    or a LockstepEngine). Per part, per (row, sample) in order: (trajectory, prompt tokens its
+    requests carried, those computed)."""
     renderers = Renderers(tokenizer)
     stop_ids = sorted({*llm.eos_token_ids, *end_of_turn_ids(tokenizer, renderers)})
-    keys = {f"{row_offset + i}-{j}": (row_offset + i, j) for i in range(len(dicts)) for j in range(rollout.n)}
+    keys, rows_of = {}, {}
+    for offset, dicts in parts:
+        for i, row in enumerate(dicts):
+            for j in range(rollout.n):
+                keys[f"{offset + i}-{j}"], rows_of[f"{offset + i}-{j}"] = (offset + i, j), row
     sessions = {sid: EndpointSession(sid, tokenizer, renderers, limits, stop_ids, llm.max_model_len) for sid in keys}
-    driver = EndpointDriver(llm, sessions, keys, rollout, stop_ids)
+    driver = EndpointDriver(llm, sessions, keys, rollout, stop_ids, version, between_steps)
     with LoopbackServer(build_app(driver.submit)) as server:
         def start_agent(sid):
-            row, url = dicts[keys[sid][0] - row_offset], f"{server.url}/sessions/{sid}/v1"
-            return lambda: call_agent(agent_fn, dict(row), url)
+            row, url = dict(rows_of[sid]), f"{server.url}/sessions/{sid}/v1"
+            return lambda: call_agent(agent_fn, row, url)
         driver.run(start_agent)
+    return [[(finished_trajectory(sessions[f"{offset + i}-{j}"], driver.outcomes[f"{offset + i}-{j}"]),
+              driver.prefill_total[f"{offset + i}-{j}"], driver.prefill_computed[f"{offset + i}-{j}"])
+             for i in range(len(dicts)) for j in range(rollout.n)] for offset, dicts in parts]
 
-    fallback = [list(map(int, r.get("prompt_ids") or [])) for r in dicts]
-    trajs = [_batchable(finished_trajectory(sessions[sid], driver.outcomes[sid]), fallback[keys[sid][0] - row_offset],
-                        pad_id) for sid in keys]
-    P = max(len(t.prompt_ids) for t in trajs)
-    R = max(len(t.response_ids()) for t in trajs)
-    if mesh is not None:
-        P, R = group_max(P, mesh), group_max(R, mesh)
-    tensors = trajectory_tensors(trajs, pad_id, response_len=R, prompt_len=P)
-    for i, sid in enumerate(keys):
-        if sessions[sid].diverged:
-            tensors["response_mask"][i] = 0   # the rule: scored, never trained on (agents.endpoint.conversation)
 
-    def count(key: str) -> torch.Tensor:
-        return torch.tensor([t.counts.get(key, 0) for t in trajs], dtype=torch.long)
-    columns = {
-        **tensors, **trajectory_columns(trajs),
-        "prefix_mismatches": count("prefix_mismatches"), "unrecorded_turns": count("unrecorded_turns"),
-        "prompt_tokens": torch.tensor([driver.prefill_total[sid] for sid in keys], dtype=torch.long),
-        "prefill_tokens": torch.tensor([driver.prefill_computed[sid] for sid in keys], dtype=torch.long),
-    }
-    out = Batch(columns, meta={**rows.meta, "n": rollout.n, "temperature": rollout.temperature})
-    carried = rows.drop(*[k for k in (*_PROMPT_COLUMNS, *columns) if k in rows])
-    if len(carried.keys()):
-        out = carried.repeat(rollout.n, interleave=True) | out
-    return out
+def served_columns(trajs: list[Trajectory], tensors: dict) -> dict:
+    """What a served rollout's batch has besides an environment's: response_mask 0 on a
+    trajectory whose client broke its recorded prefix (the rule: scored, never trained on;
+    agents.endpoint.conversation), and per trajectory its mismatches and unrecorded turns."""
+    for i, t in enumerate(trajs):
+        if t.finish_reason == PREFIX_MISMATCH:
+            tensors["response_mask"][i] = 0
+    return {key: torch.tensor([t.counts.get(key, 0) for t in trajs], dtype=torch.long)
+            for key in ("prefix_mismatches", "unrecorded_turns")}

@@ -39,6 +39,7 @@ import torch
 
 from hflow.agents import (AgentLimits, AgentSession, ChatRenderer, Environment, Segment, TextRenderer,
                           Trajectory, TurnRunner, trajectory_columns, trajectory_tensors)
+from hflow.agents.endpoint.agent_function import is_agent_function
 from hflow.agents.registry import EnvSpec, environment_factory
 from hflow.agents.trajectory import MAX_TOKENS
 from hflow.batch import Batch
@@ -200,15 +201,16 @@ def run_parts(llm, parts: list[tuple[int, list[dict]]], env: EnvSpec, rollout: R
 
 
 def run_on_group(group: EngineGroup, part: tuple[int, list[dict]], env: EnvSpec, rollout: RolloutConfig,
-                 limits: AgentLimits, tokenizer, version=None) -> list[tuple]:
-    """A tensor-parallel group's rollout: the leader runs every member's part on a LockstepEngine,
-    the others follow; each member gets its own part's results (as run_parts gives one)."""
+                 limits: AgentLimits, tokenizer, version=None, runner=None) -> list[tuple]:
+    """A tensor-parallel group's rollout: the leader runs every member's part on a LockstepEngine
+    (with `runner`: run_parts, or agent_endpoint.serve_parts for an agent function), the others
+    follow; each member gets its own part's results (as run_parts gives one)."""
     parts = group.gather(part)
     if not group.is_leader:
         group.follow()
         return group.scatter(None)
     with group.lead() as engine:
-        results = run_parts(engine, parts, env, rollout, limits, tokenizer, version)
+        results = (runner or run_parts)(engine, parts, env, rollout, limits, tokenizer, version)
     return group.scatter(results)
 
 
@@ -222,13 +224,17 @@ def sample_agent(llm: LLM | EngineGroup, rows: Batch, env: EnvSpec, rollout: Rol
     call it (widths agree)."""
     dicts = row_dicts(rows, tokenizer)
     start_version = version() if version is not None else None
+    runner, agent_fn = run_parts, environment_factory(env)
+    if is_agent_function(agent_fn):   # an agent written with the openai client, served the engine over HTTP
+        from hflow.workers.agent_endpoint import serve_parts
+        runner, env = serve_parts, agent_fn
     if isinstance(llm, EngineGroup):
         if between_steps is not None:
             raise ValueError("partial rollouts at tensor-parallel size > 1: the group's ranks would have to load "
                              "the weights at the same step; not supported")
-        results = run_on_group(llm, (row_offset, dicts), env, rollout, limits, tokenizer, version)
+        results = run_on_group(llm, (row_offset, dicts), env, rollout, limits, tokenizer, version, runner)
     else:
-        (results,) = run_parts(llm, [(row_offset, dicts)], env, rollout, limits, tokenizer, version, between_steps)
+        (results,) = runner(llm, [(row_offset, dicts)], env, rollout, limits, tokenizer, version, between_steps)
 
     fallback = [list(map(int, r.get("prompt_ids") or [])) for r in dicts]
     trajs = [_batchable(t, fallback[k // rollout.n], pad_id) for k, (t, _, _) in enumerate(results)]
@@ -244,6 +250,9 @@ def sample_agent(llm: LLM | EngineGroup, rows: Batch, env: EnvSpec, rollout: Rol
         "prompt_tokens": torch.tensor([total for _, total, _ in results], dtype=torch.long),
     }
     columns["prefill_tokens"] = torch.tensor([computed for _, _, computed in results], dtype=torch.long)
+    if runner is not run_parts:
+        from hflow.workers.agent_endpoint import served_columns
+        columns |= served_columns(trajs, columns)
     if version is not None:
         columns |= version_columns(trajs, start_version, R, limits.max_turns)
     out = Batch(columns, meta={**rows.meta, "n": rollout.n, "temperature": rollout.temperature})

@@ -138,8 +138,7 @@ class Rollout:
         meta rollout_busy_s and rollout_idle_s as generate's. With partial rollouts, weights
         pushed meanwhile are taken between two engine steps (or while every trajectory waits
         for its tools) and the trajectories go on with them."""
-        from hflow.agents import AgentLimits, environment_factory
-        from hflow.agents.endpoint.agent_function import is_agent_function
+        from hflow.agents import AgentLimits
         from hflow.workers import agent_rollout
         if self.version is None:
             raise RuntimeError("Rollout.generate_agent before any receive_weights: the engine holds no weights yet")
@@ -155,16 +154,9 @@ class Rollout:
         # dispatch cuts the rows into equal contiguous shards in dp order: this shard's first global row
         offset = self.mesh.get_local_rank("dp") * len(rows) if "dp" in (self.mesh.mesh_dim_names or ()) else 0
         limits, pad_id = limits or AgentLimits(), layout.pad_id(self.config)
-        agent_fn = environment_factory(env)
-        if is_agent_function(agent_fn):   # an OpenAI-client agent (workers/agent_endpoint.py): no versions per
-            from hflow.workers.agent_endpoint import sample_agent_function   # turn, nor weights taken mid-way
-            batch = sample_agent_function(engine, rows, agent_fn, rollout, limits, self.tokenizer, pad_id, self.mesh,
-                                          row_offset=offset)
-            batch["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
-        else:
-            batch = agent_rollout.sample_agent(engine, rows, env, rollout, limits, self.tokenizer, pad_id, self.mesh,
-                                               row_offset=offset, version=lambda: self.version,
-                                               between_steps=self._take_offered if self.partial else None)
+        batch = agent_rollout.sample_agent(engine, rows, env, rollout, limits, self.tokenizer, pad_id, self.mesh,
+                                           row_offset=offset, version=lambda: self.version,
+                                           between_steps=self._take_offered if self.partial else None)
         ended = time.perf_counter()
         batch.meta.update(rollout_busy_s=ended - began, rollout_idle_s=began - self.last_end)
         self.last_end = ended

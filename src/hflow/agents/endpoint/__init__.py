@@ -12,6 +12,7 @@ the chat template's delta; a mask that trains only the model's tokens).
     app.py             the ASGI app (Starlette): chat completions, token-in/token-out completions
     server.py          LoopbackServer: uvicorn on 127.0.0.1, on a thread, for one rollout
 
-The engine side is hflow.workers.agent_endpoint (sample_agent_function). Needs the `serve` extra
+The engine side is hflow.workers.agent_endpoint (serve_parts, which agent_rollout.sample_agent runs
+for an agent function). Needs the `serve` extra
 (openai, uvicorn, starlette).
 """
