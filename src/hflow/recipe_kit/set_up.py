@@ -136,7 +136,7 @@ def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm
                               "tensor-parallel ranks would have to agree on the step the weights change at)")
     if not asynchronous and ["rollout"] in sets:
         raise ConfigError("--trainer.async-steps / a rollout set in --trainer.placement: this recipe generates on "
-                          "the actor's ranks only (asynchronous RL: recipes/grpo.py, recipes/ppo.py)")
+                          "the actor's ranks only (asynchronous RL: recipes/grpo.py, recipes/ppo.py, recipes/agent.py)")
     if not cfg.trainer.logging.progress_bars:   # one switch for every bar: the phases' and the engine's
         os.environ["HFLOW_PROGRESS"] = "0"
         cfg.rollout.progress = False
