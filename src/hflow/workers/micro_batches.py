@@ -102,7 +102,12 @@ def split_micro_batches(tokens: torch.Tensor, count: int, balance: bool,
     """Split the rows of one rank into `count` micro-batches (every rank must use the same count:
     FSDP runs collectives in each forward). By count: consecutive chunks. By tokens (`balance`):
     the heaviest first into the lightest micro-batch, each kept in row order; with `groups`
-    (prompt_groups), the rows of a group go together, so that their prompt is packed once."""
+    (prompt_groups), the rows of a group go together, so that their prompt is packed once.
+
+    The count is the maximum over the ranks, so a rank may have fewer groups than micro-batches:
+    the heaviest group is then cut in two (its prompt packed once in each part) until there are
+    as many parts as micro-batches. A micro-batch is empty only when the rank has fewer rows than
+    `count` (ModelWorker.train and forward_rows then run a stand-in pass that adds nothing)."""
     n = len(tokens)
     if not balance:
         return [idx for idx in torch.arange(n).tensor_split(count)]
@@ -110,11 +115,31 @@ def split_micro_batches(tokens: torch.Tensor, count: int, balance: bool,
     for i, g in enumerate(range(n) if groups is None else groups.tolist()):
         units.setdefault(g, []).append(i)
     per_row = tokens.tolist()
-    weighed = sorted(((sum(per_row[i] for i in rows), rows) for rows in units.values()), key=lambda u: -u[0])
+    parts = list(units.values())
+    while len(parts) < count:
+        splittable = [p for p in parts if len(p) > 1]
+        if not splittable:
+            break
+        heaviest = max(splittable, key=lambda p: sum(per_row[i] for i in p))
+        parts.remove(heaviest)
+        parts += _halves(heaviest, per_row)
+    weighed = sorted(((sum(per_row[i] for i in rows), rows) for rows in parts), key=lambda u: -u[0])
     bins: list[list[int]] = [[] for _ in range(count)]
     load = [0] * count
     for weight, rows in weighed:
-        k = min(range(count), key=load.__getitem__)
+        # the lightest micro-batch, an empty one first when loads tie (a unit of 0 tokens)
+        k = min(range(count), key=lambda j: (load[j], len(bins[j]) > 0))
         bins[k].extend(rows)
         load[k] += weight
     return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
+
+
+def _halves(rows: list[int], per_row: list[int]) -> list[list[int]]:
+    """`rows` (2 or more) cut into two runs, in order, of weights as close to half as can be."""
+    total, prefix, best, cut = sum(per_row[i] for i in rows), 0, None, 1
+    for k in range(1, len(rows)):
+        prefix += per_row[rows[k - 1]]
+        gap = abs(2 * prefix - total)
+        if best is None or gap < best:
+            best, cut = gap, k
+    return [rows[:cut], rows[cut:]]
