@@ -67,6 +67,18 @@ def select(tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, to
     return {k: v[rows] for k, v in tensors.items()}
 
 
+def stand_in(micro: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of the smallest non-empty micro-batch: what an empty micro-batch (a rank with
+    fewer rows than the micro-batch count agreed over the ranks) runs in its place, so that
+    every rank takes part in each forward's and backward's collectives. A real micro-batch of
+    the rank, so that its pass is one the loss function accepts (a reward model's whole pairs);
+    its output is dropped, its loss weighted 0."""
+    rows = [r for r in micro if len(r)]
+    if not rows:
+        raise ValueError("a rank has no rows to train or score on")
+    return min(rows, key=len)
+
+
 def num_minibatches(rows: int, n: int, mini_batch_size: int, dp: int, prefix: str) -> int:
     """Mini-batches per epoch for a batch of `rows` sequences (n per prompt) over `dp` ranks.
 
@@ -169,7 +181,11 @@ class ModelWorker:
         the rows back in order; per-token outputs are 0 outside `response_mask`."""
         mask = tensors["response_mask"]
         out: dict[str, torch.Tensor] = {}
-        for rows in self.micro_batches(tensors):
+        micro = self.micro_batches(tensors)
+        for rows in micro:
+            if not len(rows):   # FSDP's gathers must still run: a stand-in forward, its output dropped
+                forward(self.to_device(select(tensors, stand_in(micro))))
+                continue
             for key, value in forward(self.to_device(select(tensors, rows))).items():
                 value = value.float().cpu()
                 if key not in out:
@@ -215,6 +231,12 @@ class ModelWorker:
                 total = float(all_reduce_sum(torch.tensor([sum(units)]), self.mesh)) or 1.0
                 sums: dict[str, float] = defaultdict(float)
                 for r, u in zip(micro, units):
+                    if not len(r):
+                        # every rank runs the same passes (FSDP's collectives): a stand-in pass,
+                        # weighted 0, so that it adds exactly nothing to the gradient or the metrics
+                        loss, _ = loss_of(layout.trim_padding(self.to_device(select(mini, stand_in(micro)))))
+                        (loss * 0.0).backward()
+                        continue
                     loss, metrics = loss_of(layout.trim_padding(self.to_device(select(mini, r))))
                     (loss * (dp * u / total)).backward()
                     sums["loss"] += float(loss.detach()) * u / total
