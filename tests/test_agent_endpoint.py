@@ -141,7 +141,7 @@ def test_refusals_limits_and_failures_end_their_own_trajectory_only(eot_model, t
         c, kind = client(base_url), row["prompt"].split()[0]
         messages = [{"role": "user", "content": row["prompt"]}]
         if kind == "refused":
-            for kwargs in ({"stream": True}, {"n": 2}, {"logit_bias": {"5": 1}}):
+            for kwargs in ({"n": 2}, {"logit_bias": {"5": 1}}, {"extra_body": {"best_of": 3}}):
                 with pytest.raises(openai.BadRequestError) as e:
                     c.chat.completions.create(model="hflow", messages=messages, **kwargs)
                 errors.setdefault(kind, []).append(e.value.body["code"])
@@ -156,7 +156,7 @@ def test_refusals_limits_and_failures_end_their_own_trajectory_only(eot_model, t
             raise KeyError("the agent's own bug")
         if kind == "sleeps":
             c.chat.completions.create(model="hflow", messages=messages, max_tokens=3)
-            time.sleep(30)
+            time.sleep(120)
         if kind == "per-turn":
             for _ in range(2):
                 reply = c.chat.completions.create(model="hflow", messages=messages)
@@ -167,13 +167,14 @@ def test_refusals_limits_and_failures_end_their_own_trajectory_only(eot_model, t
             return "yes"
         return 1.0
 
-    limits = AgentLimits(max_turns=3, max_response_tokens=400, max_turn_tokens=32, tool_timeout_s=1, step_timeout_s=4)
+    # (10 s: an agent's first request, its client made on a loaded machine, must come within it)
+    limits = AgentLimits(max_turns=3, max_response_tokens=400, max_turn_tokens=32, tool_timeout_s=1, step_timeout_s=10)
     prompts = ["refused a", "loops b", "raises c", "sleeps d", "garbage e", "per-turn f"]
     began = time.monotonic()
     batch = sample_agent(engine(eot_model), Batch({"prompt": prompts}), agent,
                                   RolloutConfig(n=1, seed=2, progress=False), limits, tokenizer, 0, None)
     print(batch["finish_reason"], batch["agent_error"], errors)
-    assert time.monotonic() - began < 25, "a sleeping agent costs its own timeout, not the rollout's wait"
+    assert time.monotonic() - began < 60, "a sleeping agent costs its own timeout, not its 120 s sleep"
     assert errors["refused"] == ["unsupported"] * 3
     reason = dict(zip(prompts, batch["finish_reason"]))
     # a turn cut by the client's max_tokens ends the recording (the template cannot extend it);
@@ -421,3 +422,55 @@ def test_served_agents_at_tp_2_are_those_of_tp_1(eot_model, tmp_path):  # noqa: 
     assert one["trajectories"] == two["trajectories"] and one["finish"] == two["finish"]
     assert max(one["turns"]) > 1 and "done" in one["finish"]
     assert one["ranks"] == ["0", "1"] and two["ranks"] == ["0"]
+
+
+def test_a_streamed_request_gets_the_whole_turn_as_events(qwen3):
+    """Agent libraries that stream (verifiers' harnesses do) read the same turn: one delta with
+    the message and its tool calls, the finish reason, the usage when asked; recorded as usual."""
+    tok = qwen3
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    turns = ['<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>', "It is 12."]
+    got = {}
+
+    def agent(row, base_url):
+        c = client(base_url)
+        messages = [{"role": "user", "content": "3*4?"}]
+        chunks = list(c.chat.completions.create(model="hflow", messages=messages, tools=[CALC], stream=True,
+                                                stream_options={"include_usage": True}))
+        got["first"] = chunks
+        calls = chunks[0].choices[0].delta.tool_calls
+        messages += [{"role": "assistant", "content": chunks[0].choices[0].delta.content,
+                      "tool_calls": [{"id": t.id, "type": "function",
+                                      "function": {"name": t.function.name, "arguments": t.function.arguments}}
+                                     for t in calls]},
+                     {"role": "tool", "tool_call_id": calls[0].id, "content": "12"}]
+        got["second"] = list(c.chat.completions.create(model="hflow", messages=messages, tools=[CALC], stream=True))
+        return 1.0
+
+    batch = sample_agent(ScriptedEngine(tok, turns, [eot]), Batch({"prompt": ["3*4?"]}), agent,
+                         RolloutConfig(n=1, seed=0, progress=False), AgentLimits(), tok, 0, None)
+    first = got["first"]
+    assert [c.choices[0].finish_reason if c.choices else "usage" for c in first] == [None, "tool_calls", "usage"]
+    call = first[0].choices[0].delta.tool_calls[0]
+    assert (call.index, call.function.name, json.loads(call.function.arguments)) == (0, "multiply", {"a": 3, "b": 4})
+    assert first[2].usage.completion_tokens == len(tok.encode(turns[0], add_special_tokens=False)) + 1
+    assert got["second"][0].choices[0].delta.content == "It is 12."
+    assert batch["finish_reason"] == ["done"] and batch["turns"].tolist() == [2] and batch["prefix_mismatches"][0] == 0
+
+
+async def async_fixed_turns_agent(row, base_url):
+    """fixed_turns_agent written with AsyncOpenAI: every async agent of a process runs on one
+    event loop (agent_function._shared_loop), side by side."""
+    c = openai.AsyncOpenAI(base_url=base_url, api_key="hflow", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for left in (3, 2, 1, 0):
+        reply = await c.chat.completions.create(model="hflow", messages=messages)
+        if left == 0:
+            return 1.0
+        messages += [reply.choices[0].message, {"role": "user", "content": f" observation {left} of row {row['prompt'][:6]}"}]
+
+
+def test_async_agents_share_one_loop_and_record_what_sync_ones_do(eot_model, tokenizer):  # noqa: F811
+    sync = sample_agent(engine(eot_model), rows(4), fixed_turns_agent, ROLLOUT, LIMITS, tokenizer, 0, None)
+    served = sample_agent(engine(eot_model), rows(4), async_fixed_turns_agent, ROLLOUT, LIMITS, tokenizer, 0, None)
+    assert trajectories(served) == trajectories(sync) and served["finish_reason"] == sync["finish_reason"]

@@ -326,67 +326,45 @@ def digit_taskset(tmp_path_factory):
 
 
 def test_a_whole_response_streamed_parses_back_to_itself_in_verifiers():
-    """The relay's server-sent events, read by verifiers' own stream parser, give back the
-    message and finish reason hflow's endpoint answered, tool calls included."""
+    """The endpoint's server-sent events for a streamed request (openai_format.stream_chunks),
+    read by verifiers' own stream parser, give back the message and finish reason, tool calls
+    included."""
     pytest.importorskip("verifiers.v1", reason="needs verifiers >= 0.4")
     from verifiers.v1.dialects.chat import ChatStreamParser
-    from hflow.agents.adapters.verifiers import stream_chunks
-    completion = {"id": "c1", "object": "chat.completion", "created": 1, "model": "hflow",
-                  "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-                      "role": "assistant", "content": "Let me add.",
-                      "tool_calls": [{"id": "call_0", "type": "function",
-                                      "function": {"name": "add", "arguments": "{\"a\": 1, \"b\": 2}"}}]}}],
-                  "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}
+    from hflow.agents.endpoint.openai_format import chat_completion, stream_chunks
+    message = {"role": "assistant", "content": "Let me add.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}
+    completion = chat_completion("s", 0, message, "stop", [1, 2, 3, 4, 5], [7] * 7, [-0.5] * 7, ["x"] * 7)
     parser = ChatStreamParser()
-    for chunk in stream_chunks(completion):
+    for chunk in stream_chunks(completion, include_usage=True):
         parser.feed(f"data: {json.dumps(chunk)}\n\n".encode())
     parser.feed(b"data: [DONE]\n\n")
     assert parser.finish_reason == "tool_calls" and parser.usage == completion["usage"]
     assert "".join(parser.message_parts["content"]) == "Let me add."
     call = parser.tool_calls[0]
-    assert call["id"] == "call_0" and call["function"]["name"] == "add"
+    assert call["id"] == "call_0_0" and call["function"]["name"] == "add"
     assert "".join(parser.tool_inputs.get(0, [])) or call["function"]["arguments"] == "{\"a\": 1, \"b\": 2}"
 
 
-def test_verifiers_agent_runs_an_episode_against_a_non_streaming_endpoint(digit_taskset):
-    """The agent function against a stand-in for hflow's endpoint (whole responses only, streaming
-    refused as hflow refuses it): verifiers' harness program asks, the relay answers, the task's
-    own @reward scores the reply, and the agent returns it."""
-    import socket
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-    from hflow.agents.endpoint.agent_function import call_agent, is_agent_function
-    asked = []
-
-    async def chat(request):
-        body = await request.json()
-        if body.get("stream"):
-            return JSONResponse({"error": {"message": "streaming is not served"}}, status_code=400)
-        asked.append((request.path_params["sid"], body["messages"][-1]["content"]))
-        return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "hflow", "choices": [
-            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "7"}}]})
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/sessions/{sid}/v1/chat/completions", chat,
-                                                                   methods=["POST"])]),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        agent = pickle.loads(pickle.dumps(environment_factory("verifiers:vf_digit")))
-        assert is_agent_function(agent)
-        for task, sid in ((3, "a"), (9, "b")):
-            reward, counts = call_agent(agent, {"task": task, "prompt": "ignored"}, f"http://127.0.0.1:{port}/sessions/{sid}/v1")
-            assert reward == pytest.approx(1 - abs(7 - task) / 9) and counts == {"verifiers_turns": 1}, (reward, counts)
-        assert asked == [("a", "Guess my digit (0 is not it). Reply with one digit."),
-                         ("b", "Guess my digit (0 is not it). Reply with one digit.")]
-    finally:
-        server.should_exit = True
-        thread.join(10)
+def test_verifiers_agent_runs_an_episode_against_the_endpoint(digit_taskset, qwen3):
+    """The agent function served by hflow's endpoint (a scripted engine answering "7" under
+    Qwen3's template): verifiers' harness program asks, streaming, the endpoint answers with the
+    whole turn, the task's own @reward scores the reply, and the trajectory is recorded."""
+    from hflow.agents import AgentLimits
+    from hflow.agents.endpoint.agent_function import is_agent_function
+    from hflow.batch import Batch
+    from hflow.workers.agent_rollout import sample_agent
+    from hflow.workers.rollout_batches import RolloutConfig
+    from test_agent_endpoint import ScriptedEngine
+    agent = pickle.loads(pickle.dumps(environment_factory("verifiers:vf_digit")))
+    assert is_agent_function(agent)
+    llm = ScriptedEngine(qwen3, ["7", "7"], [qwen3.convert_tokens_to_ids("<|im_end|>")])
+    batch = sample_agent(llm, Batch({"task": [3, 9], "prompt": ["ignored", "ignored"]}), "verifiers:vf_digit",
+                         RolloutConfig(n=1, seed=0, progress=False), AgentLimits(step_timeout_s=300), qwen3, 0, None)
+    print(batch["finish_reason"], batch["agent_error"])
+    assert batch["trajectory_reward"].tolist() == pytest.approx([1 - 4 / 9, 1 - 2 / 9])
+    assert batch["finish_reason"] == ["done", "done"] and batch["turns"].tolist() == [1, 1]
+    asked = [qwen3.decode(p) for p in llm.prompts]
+    assert all("Guess my digit (0 is not it). Reply with one digit." in p for p in asked)
 
 
 def test_verifiers_names_are_checked_in_one_line(digit_taskset, monkeypatch):

@@ -42,8 +42,7 @@ from hflow.agents.endpoint.server import LoopbackServer
 from hflow.agents.render import TemplateError
 from hflow.agents.trajectory import DONE, ENV_ERROR, ENV_TIMEOUT
 from hflow.engine import LLM, SamplingParams
-from hflow.workers.agent_rollout import _OFFER_POLL_S, turn_seed
-from hflow.workers.rollout_batches import RolloutConfig
+from hflow.workers.rollout_batches import OFFER_POLL_S, RolloutConfig, turn_seed
 
 
 class EndpointDriver:
@@ -81,10 +80,10 @@ class EndpointDriver:
             while len(self.outcomes) < len(self.sessions) or self.in_flight:
                 busy = self.llm.has_unfinished()
                 # idle: wait for a request, a return or a deadline (and, in a partial rollout, look
-                # for offered weights every _OFFER_POLL_S, as run_sessions does)
+                # for offered weights every OFFER_POLL_S, as run_sessions does)
                 wait = self._time_to_next_deadline()
                 if self.between_steps is not None:
-                    wait = min(wait, _OFFER_POLL_S)
+                    wait = min(wait, OFFER_POLL_S)
                 self._take_events(wait=0.0 if busy else wait)
                 if self.llm.has_unfinished():
                     for out in self.llm.step():

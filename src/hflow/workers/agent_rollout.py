@@ -30,7 +30,6 @@ last turn), so that a trajectory whose turns several policies sampled is seen as
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from bisect import bisect_right
 from collections import Counter
 from typing import Callable, Optional
@@ -45,7 +44,7 @@ from hflow.agents.trajectory import MAX_TOKENS
 from hflow.batch import Batch
 from hflow.engine import LLM, SamplingParams
 from hflow.workers.lockstep_engine import EngineGroup
-from hflow.workers.rollout_batches import RolloutConfig, group_max
+from hflow.workers.rollout_batches import OFFER_POLL_S, RolloutConfig, group_max, turn_seed
 
 # columns a prompts Batch carries that are the prompt itself, not a row's data
 _PROMPT_COLUMNS = ("prompt", "prompt_ids", "input_ids", "attention_mask")
@@ -61,11 +60,6 @@ def pick_renderer(tokenizer, env: Environment, prompt=None):
     if isinstance(prompt, list) or (getattr(tokenizer, "chat_template", None) and fmt != "tags"):
         return ChatRenderer(tokenizer, tools=tools)
     return TextRenderer(tokenizer)
-
-
-def turn_seed(seed: int, row: int, sample: int, turn: int) -> int:
-    digest = hashlib.sha256(f"hflow-agent-{seed}-{row}-{sample}-{turn}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 2
 
 
 def row_dicts(rows: Batch, tokenizer) -> list[dict]:
@@ -99,8 +93,6 @@ class PrefillCounter:
         self.total: Counter = Counter()
 
 
-# how long a partial rollout's loop waits for tool calls before it looks for offered weights again
-_OFFER_POLL_S = 0.05
 
 
 def run_sessions(llm: LLM, sessions: dict, rollout: RolloutConfig, stop_ids: list[int], seed_of,
@@ -110,7 +102,7 @@ def run_sessions(llm: LLM, sessions: dict, rollout: RolloutConfig, stop_ids: lis
     add_request / step / abort / has_unfinished, such as a LockstepEngine); `seed_of(key, turn)`
     seeds each turn. `version()`: the policy version of the engine's weights now, recorded per
     token of each model turn (Segment.policy_versions). `between_steps()`: run after each engine
-    step and, while every session waits for its tools, every _OFFER_POLL_S; it may load newer
+    step and, while every session waits for its tools, every OFFER_POLL_S; it may load newer
     weights (each load the next version). Returns the prefill counts per session key."""
     turns, turn_index = TurnRunner(), Counter()
     counts = PrefillCounter()
@@ -148,8 +140,8 @@ def run_sessions(llm: LLM, sessions: dict, rollout: RolloutConfig, stop_ids: lis
             if between_steps is not None:
                 between_steps()
             # block only when the engine has nothing to decode: then a step (or its timeout) is all there is
-            # (or, in a partial rollout, a push to take: look again every _OFFER_POLL_S)
-            idle_wait = None if between_steps is None else _OFFER_POLL_S
+            # (or, in a partial rollout, a push to take: look again every OFFER_POLL_S)
+            idle_wait = None if between_steps is None else OFFER_POLL_S
             for key, ids in turns.collect(timeout=0 if llm.has_unfinished() else idle_wait):
                 if ids is not None:
                     queue(key)

@@ -9,6 +9,7 @@ column `greedy`; `split_greedy` separates the two.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -109,3 +110,15 @@ def split_greedy(batch: Batch) -> tuple[Batch, Batch]:
     sampled.meta["n"] = batch.meta["n"] - 1
     greedy.meta.update(n=1, temperature=0.0)
     return sampled, greedy
+
+
+# how long a multi-turn rollout's loop waits for tool calls (or agents) before it looks again for
+# weights a partial rollout was offered
+OFFER_POLL_S = 0.05
+
+
+def turn_seed(seed: int, row: int, sample: int, turn: int) -> int:
+    """A multi-turn rollout's seed for one turn of one trajectory: by the global row, so that a
+    trajectory does not depend on which rank ran it nor what decoded beside it."""
+    digest = hashlib.sha256(f"hflow-agent-{seed}-{row}-{sample}-{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2

@@ -18,19 +18,15 @@ of your own, `--agent.env my_agent.py:agent`):
   tools (its default, `bash`, runs what the model writes on this host);
 - the runtime: `subprocess` (verifiers' default is a remote sandbox); the model name "hflow".
 
-verifiers' harness programs stream their requests, which hflow's endpoint does not serve: a small
-relay in the same event loop takes each streamed request, asks the session without streaming and
-answers with the same response as server-sent events. verifiers needs `uv` (its harness program is
+verifiers' harness programs stream their requests; the endpoint answers each with the whole turn
+as server-sent events. verifiers needs `uv` (its harness program is
 a PEP 723 script, prepared once per machine) and imports slowly (~7 s of CPU).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
-import json
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -52,10 +48,10 @@ async def verifiers_agent(row: dict, base_url: str, taskset: str = "", harness: 
     env = load_environment(vf.SingleAgentEnvConfig(
         taskset={"id": taskset}, agent={"harness": {"id": harness}, "runtime": {"type": runtime}}))
     task = pick_task(env.taskset, taskset, row)
-    async with streaming_relay(base_url) as relay_url:
-        ctx = vf.ModelContext(model=model, client=vf.EvalClientConfig(base_url=relay_url, api_key_var="HFLOW_API_KEY"))
-        async with env.serving():
-            episode = await env.run_episode(task, ctx)
+    # its harness streams its requests: the endpoint answers each with the whole turn as events
+    ctx = vf.ModelContext(model=model, client=vf.EvalClientConfig(base_url=base_url, api_key_var="HFLOW_API_KEY"))
+    async with env.serving():
+        episode = await env.run_episode(task, ctx)
     problems = list(episode.errors) + [e for t in episode.traces for e in (getattr(t, "errors", None) or [])]
     if not episode.ok or not episode.traces:
         what = "; ".join(f"{e.type}: {e.message}" for e in problems[:3]) or "no trace"
@@ -84,64 +80,6 @@ def pick_task(taskset, name: str, row: dict):
         raise ValueError(f"verifiers taskset {name!r} has no tasks")
     index = int(row["task"]) if row.get("task") is not None else row_seed(row)
     return tasks[index % len(tasks)]
-
-
-# ---- streamed requests relayed to an endpoint that answers whole responses
-
-@contextlib.asynccontextmanager
-async def streaming_relay(base_url: str):
-    """A loopback server (aiohttp, verifiers' own dependency) whose /v1/chat/completions asks
-    `base_url` without streaming and answers a streamed request as server-sent events. Yields
-    its base URL."""
-    from aiohttp import ClientSession, web
-
-    target = base_url.rstrip("/") + "/chat/completions"
-
-    async def chat(request):
-        body = await request.json()
-        streamed = bool(body.pop("stream", False))
-        body.pop("stream_options", None)
-        async with session.post(target, json=body, headers={"Authorization": "Bearer hflow"}) as upstream:
-            status, payload = upstream.status, await upstream.json(content_type=None)
-        if status >= 400 or not streamed:
-            return web.json_response(payload, status=status)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        for chunk in stream_chunks(payload):
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-    app = web.Application(client_max_size=64 * 2**20)
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, access_log=None)
-    async with ClientSession() as session:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            yield f"http://127.0.0.1:{port}/v1"
-        finally:
-            await runner.cleanup()
-
-
-def stream_chunks(completion: dict) -> list[dict]:
-    """A chat.completion as the chat.completion.chunk events a stream of it would send: the
-    message whole, then its finish reason, then its usage."""
-    head = {"id": completion.get("id", "hflow"), "object": "chat.completion.chunk",
-            "created": completion.get("created", int(time.time())), "model": completion.get("model", "hflow")}
-    choice = (completion.get("choices") or [{}])[0]
-    message = choice.get("message") or {}
-    delta = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-    chunks = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
-              {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason", "stop")}]}]
-    if completion.get("usage"):
-        chunks.append({**head, "choices": [], "usage": completion["usage"]})
-    return chunks
 
 
 # ---- the name

@@ -21,6 +21,7 @@ import functools
 import inspect
 import math
 import numbers
+import threading
 from typing import Callable, Union
 
 
@@ -32,12 +33,13 @@ def is_agent_function(obj) -> bool:
 
 
 def call_agent(fn: Callable, row: dict, base_url: str) -> tuple[Union[float, list[float]], dict]:
-    """Run one agent to its end on this thread (an async one in an event loop of its own);
+    """Run one agent to its end, waiting on this thread (an async one on the process's shared
+    event loop, beside the others: it must not block that loop);
     returns its reward (None: 0) or its turns' rewards (a list), and the numbers it counted.
     Whatever it raises is raised."""
     result = fn(row, base_url)
     if inspect.isawaitable(result):
-        result = asyncio.run(_awaited(result))
+        result = asyncio.run_coroutine_threadsafe(_awaited(result), _shared_loop()).result()
     counts = {}
     if isinstance(result, dict):
         counts = {k: v for k, v in result.items() if k not in ("reward", "turn_rewards")}
@@ -65,3 +67,19 @@ def _number(value) -> bool:
 
 async def _awaited(awaitable):
     return await awaitable
+
+
+_loop = None
+_loop_lock = threading.Lock()
+
+
+def _shared_loop() -> asyncio.AbstractEventLoop:
+    """One event loop, on a thread of its own, for every async agent of this process: their
+    coroutines interleave there as async code expects (a library's loop-bound state, such as a
+    server verifiers starts once, is shared, not duplicated per loop), and a thread waits for each."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, daemon=True, name="hflow-async-agents").start()
+        return _loop

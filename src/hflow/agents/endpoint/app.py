@@ -21,24 +21,29 @@ from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from hflow.agents.endpoint.openai_format import error_body
+from hflow.agents.endpoint.openai_format import error_body, stream_chunks
 
 Submit = Callable[[str, str, dict], Future]
 
 
 def build_app(submit: Submit) -> Starlette:
-    async def completions(request: Request, route: str) -> JSONResponse:
+    async def completions(request: Request, route: str) -> Response:
         try:
             body = json.loads(await request.body())
         except ValueError:
             return JSONResponse(error_body("the request body is not JSON", "invalid_json"), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(error_body("the request body is not a JSON object", "invalid_json"), status_code=400)
+        stream, options = body.pop("stream", False), body.pop("stream_options", None) or {}
         status, payload = await asyncio.wrap_future(submit(request.path_params["session"], route, body))
-        return JSONResponse(payload, status_code=status)
+        if status != 200 or not stream:
+            return JSONResponse(payload, status_code=status)
+        # streamed: the whole turn, which the engine has finished, as server-sent events
+        events = [f"data: {json.dumps(c)}\n\n" for c in stream_chunks(payload, bool(options.get("include_usage")))]
+        return StreamingResponse(iter(events + ["data: [DONE]\n\n"]), media_type="text/event-stream")
 
     async def chat(request: Request) -> JSONResponse:
         return await completions(request, "chat")

@@ -2,8 +2,9 @@
 assistant message (its hermes `<tool_call>` blocks as `tool_calls`), and the response bodies.
 
 Only what the official client and the agent libraries built on it send and read is handled;
-anything hflow does not do (streaming, n > 1, a logit bias) is refused with a 400 naming it, so
-that an agent never trains on a request that was silently served some other way.
+anything hflow does not do (n > 1, a logit bias) is refused with a 400 naming it, so that an
+agent never trains on a request that was silently served some other way. A streamed request is
+answered with the whole response as server-sent events (a turn is recorded whole either way).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 IGNORED_FIELDS = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty", "user", "metadata",
                   "parallel_tool_calls", "tool_choice", "store", "stream_options", "logprobs", "top_logprobs",
                   "response_format", "reasoning_effort", "service_tier", "extra_body", "model", "stop")
-REFUSED_FIELDS = {"stream": "streaming", "logit_bias": "a logit bias", "n": "more than one choice (n > 1)",
+REFUSED_FIELDS = {"logit_bias": "a logit bias", "n": "more than one choice (n > 1)",
                   "best_of": "best_of", "echo": "echo", "suffix": "a suffix", "audio": "audio",
                   "modalities": "modalities other than text", "prediction": "predicted outputs"}
 
@@ -202,3 +203,29 @@ def text_completion(session_id: str, turn: int, text: str, finish_reason: str, p
 def _usage(prompt_ids: list[int], token_ids: list[int]) -> dict:
     return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(token_ids),
             "total_tokens": len(prompt_ids) + len(token_ids)}
+
+
+def stream_chunks(completion: dict, include_usage: bool = False) -> list[dict]:
+    """A response body as the chunks a stream of it sends: the choice whole (a chat message as one
+    delta, its tool calls indexed; a completion's text), then its finish reason, then (asked for
+    with stream_options.include_usage) its usage. hflow's own fields ride on the first chunk."""
+    chat = completion["object"] == "chat.completion"
+    head = {"id": completion["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": completion["created"], "model": completion["model"]}
+    choice = completion["choices"][0]
+    extra = {k: completion[k] for k in ("prompt_token_ids", "hflow") if k in completion}
+    if chat:
+        message = choice["message"]
+        delta = {"role": "assistant", "content": message["content"]}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        first = {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None,
+                 "token_ids": choice["token_ids"]}
+        last = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    else:
+        first = {**choice, "finish_reason": None}
+        last = {"index": 0, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+    chunks = [{**head, "choices": [first], **extra}, {**head, "choices": [last]}]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": completion["usage"]})
+    return chunks
