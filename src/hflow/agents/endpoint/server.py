@@ -31,6 +31,7 @@ class LoopbackServer:
     def __enter__(self) -> "LoopbackServer":
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(1024)
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
