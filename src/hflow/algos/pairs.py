@@ -1,4 +1,4 @@
-"""Losses and metrics of reward and cost models on preference pairs.
+"""Losses and metrics on preference pairs: reward and cost models', and the policy's own under DPO and IPO.
 
 A batch of pairs holds pair i as rows 2i (chosen: the better response, for a cost model the
 safer one) and 2i + 1 (rejected), in the layout of hflow.data.preference.pair_batch.
@@ -60,3 +60,66 @@ def pair_loss(scores: torch.Tensor, mb, *, cost: bool = False, center_coef: floa
     else:
         loss = bradley_terry_loss(chosen, rejected, center_coef)
     return loss, pair_metrics(scores.detach(), mb["safe"] if "safe" in mb else None, cost)
+
+
+# ---------------------------------------------------------------- direct preference optimisation
+
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float = 0.1, loss: str = "sigmoid",
+             chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair DPO / IPO losses [B] from each response's summed log-prob under the policy and
+    the reference (all [B]), with the implicit reward h = log π(y|x) − log π_ref(y|x):
+
+        sigmoid (DPO, Rafailov et al. 2023):  L = −log σ(β (h_chosen − h_rejected))
+        ipo (Azar et al. 2023, eq. 17):       L = (h_chosen / n_chosen − h_rejected / n_rejected − 1 / (2β))²
+
+    IPO's log-ratios are averaged over each response's tokens (`chosen_tokens`, `rejected_tokens`:
+    the response lengths, at least 1 counted), as TRL's DPOTrainer does, so that β means the same
+    whatever the lengths. The mean over pairs is the batch loss."""
+    chosen, rejected = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+    if loss == "sigmoid":
+        return -F.logsigmoid(beta * (chosen - rejected))
+    if loss == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("the ipo loss averages over the response tokens: give chosen_tokens and rejected_tokens")
+        delta = chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1)
+        return (delta - 1 / (2 * beta)).square()
+    raise ValueError(f"unknown DPO loss {loss!r}; choose one of {DPO_LOSSES}")
+
+
+def dpo_metrics(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+                ref_rejected: torch.Tensor, beta: float) -> dict[str, float]:
+    """TRL's DPO figures (means over pairs; the same for either loss): rewards/chosen and
+    rewards/rejected, the implicit rewards β (log π − log π_ref) of the summed log-probs;
+    rewards/accuracies, the share of pairs whose chosen reward is higher (a tie counts as
+    wrong); rewards/margins, chosen − rejected; logps/chosen and logps/rejected, the policy's."""
+    chosen = beta * (policy_chosen - ref_chosen).detach().float()
+    rejected = beta * (policy_rejected - ref_rejected).detach().float()
+    return {"rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
+            "rewards/accuracies": (chosen > rejected).float().mean().item(),
+            "rewards/margins": (chosen - rejected).mean().item(),
+            "logps/chosen": policy_chosen.detach().float().mean().item(),
+            "logps/rejected": policy_rejected.detach().float().mean().item()}
+
+
+def sequence_log_probs(log_probs: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-prob [B], token count [B]) of each response from per-token log-probs [B, R]
+    and its 0/1 mask (values outside the mask are ignored, even NaN)."""
+    mask = response_mask[:, :log_probs.shape[1]].bool()
+    return torch.where(mask, log_probs, 0.0).sum(-1), mask.sum(-1).to(log_probs.dtype)
+
+
+def dpo_pair_loss(log_probs: torch.Tensor, mb, *, beta: float = 0.1, loss: str = "sigmoid", entropy=None):
+    """The loss Actor.update minimises on a micro-batch of pairs (rows 2i chosen, 2i + 1
+    rejected, as hflow.data.preference.pair_batch lays them out) that carries each row's
+    reference log-prob summed over its response, `ref_logp` [b]: the mean over its pairs of
+    `dpo_loss`, and `dpo_metrics`."""
+    if not bool((mb["chosen"][0::2] == 1).all() and (mb["chosen"][1::2] == 0).all()):
+        raise ValueError("a micro-batch is not in pair layout (rows 2i chosen, 2i+1 rejected)")
+    logp, tokens = sequence_log_probs(log_probs, mb["response_mask"])
+    ref = mb["ref_logp"].to(logp.dtype)
+    per_pair = dpo_loss(logp[0::2], logp[1::2], ref[0::2], ref[1::2], beta, loss, tokens[0::2], tokens[1::2])
+    return per_pair.mean(), dpo_metrics(logp[0::2], logp[1::2], ref[0::2], ref[1::2], beta)
