@@ -21,6 +21,9 @@ engine's prefix cache reuses the KV of everything before).
     tensors.py           trajectories -> the batch layout (hflow.layout) and their columns
     registry.py          environments by name: BUILTIN_ENVIRONMENTS, environment_factory (--agent.env)
     rollout_figures.py   a rollout batch's figures and failed trajectories, on the controller
+    multi_question.py    MultiQuestion: problems one a turn, each answer rewarded (per-turn credit's task)
+    endpoint/            an OpenAI-compatible endpoint: agents written with the openai client, recorded
+    adapters/            environment libraries users have: textarena:GAME, gym:ENV, verifiers:TASKSET
 """
 import importlib
 
