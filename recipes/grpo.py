@@ -1,10 +1,10 @@
-"""GRPO and its critic-free relatives: RLOO, REINFORCE++, Dr.GRPO, DAPO, GSPO — one dataflow.
+"""GRPO and its critic-free relatives: RLOO, REINFORCE++, Dr.GRPO, DAPO, GSPO, CISPO, SAPO — one dataflow.
 
     torchrun --nproc-per-node 2 recipes/grpo.py                     # the embedded default task
     torchrun --nproc-per-node 2 recipes/grpo.py --algo.estimator rloo --algo.kl-coef 0.001
     torchrun --nproc-per-node 2 recipes/grpo.py --algo.clip-high 0.28 --algo.dynamic-sampling \
         --algo.overlong-buffer 2                                    # DAPO
-    torchrun --nproc-per-node 2 recipes/grpo.py --algo.loss gspo    # GSPO
+    torchrun --nproc-per-node 2 recipes/grpo.py --algo.loss gspo    # GSPO (or cispo, sapo)
     torchrun --nproc-per-node 2 recipes/grpo.py --trainer.async-steps 1 --trainer.placement split
                                                                     # asynchronous: rank 1 generates ahead
     torchrun --nproc-per-node 8 recipes/grpo.py --model.path ~/models/Qwen2.5-0.5B-Instruct \
@@ -30,9 +30,21 @@ whiten_batch: minus the mean, over the std, of every response token of the batch
 reference is in the loss (--algo.kl-kind) for grpo and drgrpo, in the reward (k1 per token) for
 rloo and the REINFORCE++ pair, as their papers have it (`--algo.kl-in-reward` overrides).
 
-Losses: ppo (a ratio per token, clipped to [1 - 0.2, 1 + 0.2], token-mean) or gspo (Zheng et al.
-2025: one length-normalised ratio per sequence, clipped to [1 - 3e-4, 1 + 4e-4] — the paper's
-values, since a sequence's mean log-ratio moves far less than a token's — seq-mean-token-mean).
+Losses (`--algo.loss`), with r = pi / pi_old per token and A the advantage, sg = no gradient:
+
+    ppo     L = max(-A*r, -A*clip(r, 1 - 0.2, 1 + 0.2)), token-mean       Schulman et al. 2017
+    gspo    the same on one length-normalised ratio per sequence, s = exp(mean_t log r), clipped
+            to [1 - 3e-4, 1 + 4e-4] (the paper's: a sequence's mean log-ratio moves far less than a
+            token's), seq-mean-token-mean                                 Zheng et al. 2025
+    cispo   L = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi, no lower bound and r <= 5
+            by default (--algo.clip-high 4.0: TRL's recommended epsilon_high 5.0), token-mean:
+            every token keeps its gradient, only its weight is capped     MiniMax-M1 2025
+    sapo    L = -(4/tau) * sigmoid(tau * (r - 1)) * A, tau = 1.0 where A > 0, 1.05 elsewhere
+            (--algo.sapo-tau-pos, --algo.sapo-tau-neg): a soft gate, no clip; at r = 1 the
+            gradient is -A, the policy gradient's, seq-mean-token-mean    Qwen (SAPO) 2025
+
+cispo and sapo agree with TRL's GRPOTrainer (loss_type "cispo", "sapo") on the same tensors
+(tests/test_policy_losses_peer.py).
 
 DAPO (Yu et al. 2025) is GRPO with clip-higher (`--algo.clip-high 0.28`), the token-mean loss and
 no KL (both defaults here), dynamic sampling (`--algo.dynamic-sampling`: groups whose scores are all

@@ -17,7 +17,7 @@ response). Conventions shared by every function here:
     masked.py       masked_mean, masked_whiten, aggregate_loss, explained_variance
     advantages.py   the estimators (GAE, GRPO, Dr.GRPO, RLOO, ReMax, REINFORCE++, DAPO's filter and
                     overlong penalty) and ESTIMATORS, the registry recipes pick from by name
-    losses.py       kl_penalty, the policy losses (POLICY_LOSSES: ppo, gspo), value_loss, nll_loss
+    losses.py       kl_penalty, the policy losses (POLICY_LOSSES: ppo, gspo, cispo, sapo), value_loss, nll_loss
     correction.py   rollout correction: the engine/trainer log-prob gap and its importance weights
     kl_control.py   the fixed and adaptive KL coefficient controllers
     lagrangian.py   Safe-RLHF's Lagrange multiplier and the Lagrangian's advantage
@@ -35,8 +35,9 @@ from hflow.algos.correction import (CORRECTION_LEVELS, CORRECTION_MODES, Rollout
                                     mismatch_metrics)
 from hflow.algos.kl_control import AdaptiveKLController, FixedKLController
 from hflow.algos.lagrangian import LagrangeMultiplier, lagrangian_advantages, update_log_lambda
-from hflow.algos.losses import (KL_KINDS, POLICY_LOSSES, entropy_from_logits, gspo_policy_loss, kl_penalty,
-                                nll_loss, policy_loss, policy_loss_fn, register_policy_loss, value_loss)
+from hflow.algos.losses import (KL_KINDS, POLICY_LOSSES, cispo_policy_loss, entropy_from_logits, gspo_policy_loss,
+                                kl_penalty, nll_loss, policy_loss, policy_loss_fn, register_policy_loss,
+                                sapo_policy_loss, value_loss)
 from hflow.algos.masked import AGG_MODES, aggregate_loss, explained_variance, masked_mean, masked_whiten
 from hflow.algos.pairs import bradley_terry_loss, cost_model_loss, pair_loss, pair_metrics
 from hflow.algos.pairs import DPO_LOSSES, dpo_loss, dpo_metrics, dpo_pair_loss, sequence_log_probs
@@ -47,7 +48,8 @@ __all__ = [
     "scores_to_token_rewards", "gae_advantages", "grpo_advantages", "rloo_advantages", "remax_advantages",
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "groups_with_varied_scores",
     "overlong_penalty", "ESTIMATORS", "register_estimator", "estimator",
-    "kl_penalty", "KL_KINDS", "policy_loss", "gspo_policy_loss", "value_loss", "entropy_from_logits",
+    "kl_penalty", "KL_KINDS", "policy_loss", "gspo_policy_loss", "cispo_policy_loss", "sapo_policy_loss",
+    "value_loss", "entropy_from_logits",
     "nll_loss", "POLICY_LOSSES", "register_policy_loss", "policy_loss_fn",
     "RolloutCorrection", "importance_weights", "mismatch_metrics", "CORRECTION_MODES", "CORRECTION_LEVELS",
     "FixedKLController", "AdaptiveKLController",

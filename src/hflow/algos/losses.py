@@ -1,4 +1,4 @@
-"""Losses: the policy's (PPO's clipped surrogate, GSPO), the critic's, the supervised one, and
+"""Losses: the policy's (PPO's clipped surrogate, GSPO, CISPO, SAPO), the critic's, the supervised one, and
 the KL estimators they use; the registry a recipe picks a policy loss from by name.
 
 A loss returns `(loss, metrics)`: `loss` a 0-dim tensor carrying the gradient, `metrics` plain
@@ -8,6 +8,7 @@ Python floats. A policy loss in `POLICY_LOSSES` takes
 
 (`agg` one of AGG_MODES: how token losses add up over a micro-batch; `is_weights` None, or the
 rollout correction's per-token weights (hflow.algos.correction) multiplying each token's loss).
+A loss may take more keyword arguments of its own (SAPO's temperatures), passed by name.
 """
 import torch
 
@@ -111,6 +112,60 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
     loss_mat = torch.maximum(unclipped, clipped)
     metrics = {
         "clipfrac": masked_mean((clipped > unclipped).float(), m).item(),
+        "approx_kl": _k3_from_log_ratio(log_ratio.detach(), m),
+    }
+    return aggregate_loss(_weighted(loss_mat, is_weights), m, agg), metrics
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(logp, old_logp, advantages, mask, clip_low=None, clip_high=4.0, agg="token-mean",
+                      is_weights=None):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): REINFORCE with a clipped, detached importance weight.
+
+    r = π/π_old,  w = sg[clip(r, 1 − clip_low, 1 + clip_high)],  L = −w·A·log π
+    so that ∇L = −w·A·∇log π: a token whose ratio is clipped keeps its gradient, only its weight
+    is capped (PPO drops it). `clip_low=None`: no lower bound (the paper's and TRL's choice); the
+    default upper bound r ≤ 5 is TRL's recommended ε_max = 5.0 (ScaleRL) in this file's 1 + clip_high
+    convention. The loss's value is −w·A·log π, not a surrogate near 0. log r is clamped to ±20.
+    metrics: clipfrac (share of tokens whose weight is clipped), approx_kl (k3, as in `policy_loss`).
+    """
+    log_ratio, m = _log_ratio(logp, old_logp, mask)
+    ratio = torch.exp(log_ratio.detach())
+    weight = ratio.clamp(min=None if clip_low is None else 1 - clip_low, max=1 + clip_high)
+    loss_mat = -weight * advantages.detach() * torch.where(m, logp, 0)
+    metrics = {
+        "clipfrac": masked_mean((weight != ratio).float(), m).item(),
+        "approx_kl": _k3_from_log_ratio(log_ratio.detach(), m),
+    }
+    return aggregate_loss(_weighted(loss_mat, is_weights), m, agg), metrics
+
+
+@register_policy_loss("sapo")
+def sapo_policy_loss(logp, old_logp, advantages, mask, clip_low=None, clip_high=None, agg="seq-mean-token-mean",
+                     is_weights=None, tau_pos=1.0, tau_neg=1.05):
+    """SAPO (Soft Adaptive Policy Optimization, Qwen, arXiv 2511.20347): a smooth gate for PPO's clip.
+
+    r = π/π_old,  τ = tau_pos where A > 0, tau_neg elsewhere,
+      f(r) = (4/τ)·σ(τ·(r − 1)),   L = −f(r)·A
+    f'(r) = 4·σ(1 − σ): 1 at r = 1 (on-policy, the policy gradient), decaying smoothly as r leaves
+    1, faster for larger τ (the paper's τ_neg > τ_pos damps negative updates more). There is no
+    hard clip: `clip_low` and `clip_high` must be None. Defaults (τ_pos 1.0, τ_neg 1.05,
+    seq-mean-token-mean) are the paper's and TRL's. log r is clamped to ±20.
+    metrics: gate_mean (mean of f'(r) = 4σ(1 − σ), the share of each token's gradient kept),
+    approx_kl (k3, as in `policy_loss`).
+    """
+    if clip_low is not None or clip_high is not None:
+        raise ValueError(f"sapo has no hard clip (its gate is soft): clip_low and clip_high must be None, "
+                         f"got {clip_low}, {clip_high}")
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"sapo's temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    log_ratio, m = _log_ratio(logp, old_logp, mask)
+    advantages = advantages.detach()
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(log_ratio.dtype)
+    gate = torch.sigmoid(tau * torch.expm1(log_ratio))
+    loss_mat = -(4 / tau) * gate * advantages
+    metrics = {
+        "gate_mean": masked_mean(4 * gate.detach() * (1 - gate.detach()), m).item(),
         "approx_kl": _k3_from_log_ratio(log_ratio.detach(), m),
     }
     return aggregate_loss(_weighted(loss_mat, is_weights), m, agg), metrics
