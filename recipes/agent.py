@@ -44,7 +44,7 @@ learning rate, the temperature and the micro-batch budget default to grpo.py's r
 
 The advantages are grpo.py's (`--algo.estimator grpo|drgrpo|rloo|reinforce_pp|reinforce_pp_baseline`,
 their formulas in recipes/grpo.py) over the n trajectories of a prompt, the loss its
-`--algo.loss ppo|gspo` on the model's tokens only, with an optional KL to the reference.
+`--algo.loss ppo|gspo|cispo|sapo` on the model's tokens only, with an optional KL to the reference.
 Held-out evaluation runs the trajectories too, greedily: eval/reward_mean is the mean score as
 `--agent.reward` defines it, eval/agent/* the trajectories' figures.
 
