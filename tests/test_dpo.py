@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -128,3 +128,87 @@ def test_dpo_pair_loss_wants_the_pair_layout():
     log_probs, mb = hflow_layout(*random_pairs()[2:])
     with pytest.raises(ValueError, match="pair layout"):
         dpo_pair_loss(log_probs, {**mb, "chosen": mb["chosen"].flip(0)})
+
+
+# ---------------------------------------------------------------- the recipe
+
+def recipe_module():
+    spec = importlib.util.spec_from_file_location("dpo_recipe", RECIPES / "dpo.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class CountingReference:
+    """A stand-in Reference: per-token log-probs -(row + 1) / 10 on every response token."""
+
+    def __init__(self):
+        self.calls, self.rows = 0, 0
+
+    def log_probs(self, batch):
+        self.calls += 1
+        self.rows += len(batch["input_ids"])
+        rows = torch.arange(len(batch["input_ids"]), dtype=torch.float32)[:, None] + 1
+        return {"ref_log_probs": -rows / 10 * batch["response_mask"]}
+
+
+def test_the_reference_scores_each_pair_once_and_batches_carry_it():
+    dpo = recipe_module()
+    pairs = [([1, 5, 6], [7] * (1 + i % 3) + [2], [8, 2], None, None) for i in range(10)]
+    ref = CountingReference()
+    scored, calls = dpo.with_reference(ref, pairs, 0, batch_size=4)
+    assert (calls, ref.calls, ref.rows) == (3, 3, 20)   # ceil(10 / 4) calls, each pair's two rows once
+    assert [p[:5] for p in scored] == pairs
+    # pair i of a call is rows 2i (chosen: 1 + i % 3 + 1 tokens) and 2i + 1 (rejected: 2 tokens)
+    for i, p in enumerate(scored):
+        j = i % 4
+        assert p[5] == pytest.approx(-(2 * j + 1) / 10 * (2 + i % 3))
+        assert p[6] == pytest.approx(-(2 * j + 2) / 10 * 2)
+    batch = dpo.dpo_batch(scored[2:5], 0)
+    assert batch["chosen"].tolist() == [1.0, 0.0] * 3 and batch.meta["n"] == 2
+    assert batch["ref_logp"].tolist() == pytest.approx([x for p in scored[2:5] for x in p[5:7]])
+
+
+def metrics_rows(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_default(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_dpo_recipe_trains_reports_and_exports(tiny_model, tmp_path, loss):
+    """3 steps of 8 pairs over 16 training pairs: past one epoch, and the reference still scored
+    each pair once (it is closed before training)."""
+    rows = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1 + a % 7)} for a in range(10, 30)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "dpo"
+    args = ["--model.path", tiny_model, "--data.train-files", data, "--data.val-fraction", 0.2,
+            "--data.batch-size", 8, "--steps", 3, "--eval-every", 2, "--dpo.loss", loss, "--dpo.beta", 0.5,
+            "--actor.micro-batch-size", 3, "--actor.optim.lr", 1e-3,
+            "--output-dir", out, "--logging.no-progress-bars"]
+    torchrun(str(RECIPES / "dpo.py"), 2, args, timeout=300).check()
+    logged = metrics_rows(out)
+    assert [r["step"] for r in logged] == [0, 1, 2, 3]
+    # 16 training and 4 held-out pairs, scored in one call each, before step 1 and never again
+    assert logged[0]["ref/pairs"] == 20 and logged[0]["ref/calls"] == 2
+    assert not any(k.startswith("ref/") for r in logged[1:] for k in r)
+    # before any step the policy is the reference: every implicit reward is 0
+    assert logged[0]["eval/rewards/chosen"] == pytest.approx(0, abs=1e-5)
+    assert logged[0]["eval/rewards/margins"] == pytest.approx(0, abs=1e-5)
+    assert logged[0]["eval/loss"] == pytest.approx(0.6931472 if loss == "sigmoid" else 1.0, abs=1e-4)
+    for step in (1, 2, 3):
+        assert 0 <= logged[step]["actor/rewards/accuracies"] <= 1
+        assert {"actor/loss", "actor/rewards/chosen", "actor/rewards/rejected", "actor/rewards/margins"} <= set(logged[step])
+    # the first step's batch is scored by the reference's own weights: its loss is the untrained one
+    assert logged[1]["actor/loss"] == pytest.approx(logged[0]["eval/loss"], abs=1e-4)
+    for step in (2, 3):
+        assert 0 <= logged[step]["eval/rewards/accuracies"] <= 1 and "eval/loss" in logged[step]
+    assert logged[3]["eval/rewards/margins"] != 0
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(out / "model")

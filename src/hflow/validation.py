@@ -108,6 +108,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "kl_horizon": _positive("horizon of the adaptive KL controller"),
     "entropy_coef": _at_least(0, "weight of the entropy bonus"),
     "center_coef": _at_least(0, "weight of the reward model's centering term; 0: plain Bradley-Terry"),
+    "beta": _positive("DPO's beta, the pull towards the reference"),
     "timeout": _positive("seconds per reward call"),
     "log_every": _at_least(1, "steps between log lines"),
     "max_length": _at_least(1, "tokens of a sequence"),
