@@ -120,6 +120,10 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "max_observation_tokens": _at_least(1, "tokens of one observation"),
     "tool_timeout_s": _positive("seconds per tool call"),
     "step_timeout_s": _positive("seconds per environment step"),
+    "turn_discount": _within(0, 1, "discount over turns (per-turn credit)"),
+    "episode_weight": _at_least(0, "weight of the trajectory's group advantage beside the per-turn one"),
+    "sapo_tau_pos": _positive("SAPO's gate temperature where the advantage is positive"),
+    "sapo_tau_neg": _positive("SAPO's gate temperature where the advantage is not positive"),
 }
 
 # fields that name files or directories that must exist ("" and "default" mean the built-in one)
