@@ -474,3 +474,27 @@ def test_async_agents_share_one_loop_and_record_what_sync_ones_do(eot_model, tok
     sync = sample_agent(engine(eot_model), rows(4), fixed_turns_agent, ROLLOUT, LIMITS, tokenizer, 0, None)
     served = sample_agent(engine(eot_model), rows(4), async_fixed_turns_agent, ROLLOUT, LIMITS, tokenizer, 0, None)
     assert trajectories(served) == trajectories(sync) and served["finish_reason"] == sync["finish_reason"]
+
+
+def test_an_agent_retrying_a_refused_request_for_ever_is_stopped_by_its_timeout(qwen3):
+    eot = qwen3.convert_tokens_to_ids("<|im_end|>")
+    refusals = []
+
+    def stubborn(row, base_url):
+        c = client(base_url)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = c.chat.completions.create(model="hflow", messages=messages)
+        messages += [reply.choices[0].message, {"role": "user", "content": "more"}]
+        while True:   # max_turns is 1: every further request is refused, and it never gives up
+            try:
+                c.chat.completions.create(model="hflow", messages=messages)
+            except openai.BadRequestError as e:
+                refusals.append(e.body["code"])
+
+    began = time.monotonic()
+    batch = sample_agent(ScriptedEngine(qwen3, ["hello"], [eot]), Batch({"prompt": ["x"]}), stubborn,
+                         RolloutConfig(n=1, seed=0, progress=False),
+                         AgentLimits(max_turns=1, tool_timeout_s=1, step_timeout_s=3), qwen3, 0, None)
+    assert time.monotonic() - began < 30 and len(refusals) > 3 and set(refusals) == {"session_ended"}
+    # it was told its session had ended: the limit, not a failure, is how its trajectory ends
+    assert batch["finish_reason"] == ["max_turns"] and not batch["failed"][0] and batch["turns"].tolist() == [1]

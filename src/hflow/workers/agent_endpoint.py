@@ -11,8 +11,8 @@ answered when the engine finishes it; the engine keeps decoding the other sessio
 meanwhile. When every agent has returned, each session's recording is one trajectory, scored by
 what its agent returned, in the batch layout of agent_rollout.sample_agent.
 
-An agent's own time (from an answer to its next request, or to its return) is bounded by
-`limits.step_timeout_s`, like an environment's step: past it the trajectory ends as env_timeout
+An agent's own time (from a turn's answer to its next turn's request, or to its return; a refused
+request does not restart it) is bounded by `limits.step_timeout_s`, like an environment's step: past it the trajectory ends as env_timeout
 and the agent's thread is left to finish on its own. An agent that raises ends its trajectory as
 env_error, unless the session had already ended by a limit (max_turns, max_tokens), which an
 agent may well not expect: then the limit is how it ended.
@@ -166,7 +166,8 @@ class EndpointDriver:
 
     @staticmethod
     def _refuse(session: EndpointSession, future: Future, status: int, body: dict) -> None:
-        session.last_answered = time.monotonic()   # an answer all the same: the agent's own time starts again
+        # the agent's own time goes on: only a turn restarts it, so that an agent retrying a refused
+        # request (or one its ended session refuses) for ever is stopped by its timeout
         future.set_result((status, body))
 
     def _answer(self, request_id, output) -> None:
