@@ -269,8 +269,11 @@ class ShoutEnv(ToolEnvironment):
         super().__init__([shout], format="hermes", runner=runner)
 
 
-def not_a_class():
-    pass
+def solve(row, base_url):   # an agent function: served the engine over HTTP, not an environment
+    return 1.0
+
+
+NOT_A_CLASS = 42
 '''
 
 
@@ -291,8 +294,9 @@ def test_an_environment_loads_by_path_or_module_and_its_tools_reach_the_workers(
         load_environment(f"{tmp_path}/missing.py:ShoutEnv")
     with pytest.raises(ValueError, match="has no 'Missing'"):
         load_environment(f"{path}:Missing")
-    with pytest.raises(ValueError, match="is not a class with reset"):
-        load_environment(f"{path}:not_a_class")
+    with pytest.raises(ValueError, match="is not a class"):
+        load_environment(f"{path}:NOT_A_CLASS")
+    assert callable(load_environment(f"{path}:solve"))   # an agent function (hflow.agents.endpoint) is named alike
     with pytest.raises(ValueError, match="cannot import module 'no_such_env_module'.*PYTHONPATH"):
         load_environment("no_such_env_module:Env")
     shadow = tmp_path / "json.py"
