@@ -151,10 +151,11 @@ class EndpointSession:
         stopped = bool(ids) and ids[-1] in self.stop_ids
         finish = "stop" if stopped else "length"
         turn_index = self.trajectory.num_turns
-        if turn.recorded:
-            self._record(ids, logprobs, stopped, turn)
         text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
-        tokens = [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        if turn.recorded:
+            self._record(ids, logprobs, text, stopped, turn)
+        # each token's text for the log-probs, in one call rather than one decode a token
+        tokens = self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
         lps = [float(x) for x in logprobs]
         if turn.route == "completion":
             body = text_completion(self.id, turn_index, text, finish, turn.prompt_ids, ids, lps, tokens)
@@ -233,9 +234,8 @@ class EndpointSession:
         budget = min(budget, self.max_model_len - len(self.trajectory.token_ids()))
         return budget if client_max is None else min(budget, client_max)
 
-    def _record(self, ids: list[int], logprobs, stopped: bool, turn: PendingTurn) -> None:
+    def _record(self, ids: list[int], logprobs, text: str, stopped: bool, turn: PendingTurn) -> None:
         t = self.trajectory
-        text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
         t.add_model_turn(ids, logprobs, text)
         if turn.route == "chat":
             self.known.append(assistant_message(text, turn.with_tools, t.num_turns - 1))
