@@ -3,6 +3,7 @@
 MODEL_CLASSES maps a model_type to the engine class that runs it (one file each, beside this
 one); a family not in it is not run by this engine.
 """
+from hflow.engine.models.gemma3 import Gemma3CausalLM
 from hflow.engine.models.llama import CausalLM
 
 MODEL_CLASSES: dict[str, type] = {
@@ -10,6 +11,7 @@ MODEL_CLASSES: dict[str, type] = {
     "mistral": CausalLM,
     "qwen2": CausalLM,
     "qwen3": CausalLM,
+    "gemma3_text": Gemma3CausalLM,
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASSES)
 

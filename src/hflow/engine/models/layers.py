@@ -137,13 +137,19 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(hf_config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and cos/sin scale of the config's RoPE (default, linear, llama3, yarn...).
 
     Non-default types use transformers' own ROPE_INIT_FUNCTIONS so that scaled variants match
     the reference exactly; types that depend on the running sequence length are refused.
+    `layer_type`: the rope of that layer type, for configs whose rope_parameters hold one per
+    type (Gemma 3: "sliding_attention" and "full_attention").
     """
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        if layer_type not in params:
+            raise ValueError(f"rope_parameters has no entry for layer type {layer_type!r}: {sorted(params)}")
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -155,7 +161,8 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
                                   "supported: default, linear, llama3, yarn")
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise NotImplementedError(f"unknown rope type {rope_type!r}")
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    by_type = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, **by_type)
     return inv_freq.float(), float(scale)
 
 
@@ -167,9 +174,9 @@ class RotaryEmbedding(nn.Module):
     table whose first half is negated, in fewer ops: so `sin` here is cat(-sin f, sin f).
     """
 
-    def __init__(self, hf_config, max_len: int, dtype, device):
+    def __init__(self, hf_config, max_len: int, dtype, device, layer_type: str | None = None):
         super().__init__()
-        inv_freq, scale = rope_inv_freq(hf_config)
+        inv_freq, scale = rope_inv_freq(hf_config, layer_type)
         freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)
