@@ -59,6 +59,9 @@ def load_model(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]
     (LLM.load_weights says which). Rotary inverse frequencies are skipped; a name the model lacks is a KeyError,
     a shape that is neither a ValueError. Returns the names loaded."""
     targets, loaded = model.weight_targets(), set()
+    # a family that stores a weight in another shape than Hugging Face's (Qwen3-MoE's fused
+    # experts) says how to view the incoming tensor
+    as_stored = getattr(model, "as_stored", lambda name, tensor: tensor)
     for name, tensor in named_tensors:
         if name.endswith("rotary_emb.inv_freq"):
             continue
@@ -66,7 +69,7 @@ def load_model(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]
             raise KeyError(f"load_weights: unexpected weight {name!r} for model_type "
                            f"{model.config.model_type!r}")
         target, shard_dim = targets[name]
-        _copy(name, target, tensor, shard_dim, model.tp)
+        _copy(name, target, as_stored(name, tensor), shard_dim, model.tp)
         loaded.add(name)
     return loaded
 

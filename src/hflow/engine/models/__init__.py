@@ -5,12 +5,14 @@ one); a family not in it is not run by this engine.
 """
 from hflow.engine.models.gemma3 import Gemma3CausalLM
 from hflow.engine.models.llama import CausalLM
+from hflow.engine.models.qwen3_moe import Qwen3MoeCausalLM
 
 MODEL_CLASSES: dict[str, type] = {
     "llama": CausalLM,
     "mistral": CausalLM,
     "qwen2": CausalLM,
     "qwen3": CausalLM,
+    "qwen3_moe": Qwen3MoeCausalLM,
     "gemma3_text": Gemma3CausalLM,
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASSES)

@@ -48,7 +48,7 @@ def arch_spec(cfg) -> ArchSpec:
         qkv_bias=True if kind == "qwen2" else attention_bias,
         o_bias=False if kind == "qwen2" else attention_bias,
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-        qk_norm=kind == "qwen3",
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
         windows=windows)
 
 
@@ -127,7 +127,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, i, tp, dtype, device)
+        self.layers = nn.ModuleList(self.make_layer(cfg, spec, i, tp, dtype, device)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg, max_len, dtype, device)
@@ -138,6 +138,10 @@ class CausalLM(nn.Module):
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                                            device=device), requires_grad=False)
+
+    def make_layer(self, cfg, spec: ArchSpec, layer: int, tp: TPInfo, dtype, device) -> nn.Module:
+        """Decoder layer `layer` (a family whose MLP differs, as Qwen3-MoE's, overrides this)."""
+        return DecoderLayer(cfg, spec, layer, tp, dtype, device)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """[tokens] ids and positions -> final hidden states [tokens, hidden]."""
@@ -181,11 +185,17 @@ class CausalLM(nn.Module):
             if attn.q_norm is not None:
                 t[p + "self_attn.q_norm.weight"] = (attn.q_norm.weight.detach(), None)
                 t[p + "self_attn.k_norm.weight"] = (attn.k_norm.weight.detach(), None)
-            for j, name in enumerate(("gate_proj", "up_proj")):
-                t[p + f"mlp.{name}.weight"] = (mlp.gate_up_proj.section(mlp.gate_up_proj.weight, j), 0)
-                if mlp.gate_up_proj.bias is not None:
-                    t[p + f"mlp.{name}.bias"] = (mlp.gate_up_proj.section(mlp.gate_up_proj.bias, j), 0)
-            t[p + "mlp.down_proj.weight"] = (mlp.down_proj.weight.detach(), 1)
-            if mlp.down_proj.bias is not None:
-                t[p + "mlp.down_proj.bias"] = (mlp.down_proj.bias.detach(), None)
+            t.update(self.mlp_targets(p + "mlp.", mlp))
+        return t
+
+    def mlp_targets(self, prefix: str, mlp: nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:
+        """weight_targets' entries of one layer's MLP (names under `prefix`)."""
+        t: dict[str, tuple[torch.Tensor, int | None]] = {}
+        for j, name in enumerate(("gate_proj", "up_proj")):
+            t[prefix + f"{name}.weight"] = (mlp.gate_up_proj.section(mlp.gate_up_proj.weight, j), 0)
+            if mlp.gate_up_proj.bias is not None:
+                t[prefix + f"{name}.bias"] = (mlp.gate_up_proj.section(mlp.gate_up_proj.bias, j), 0)
+        t[prefix + "down_proj.weight"] = (mlp.down_proj.weight.detach(), 1)
+        if mlp.down_proj.bias is not None:
+            t[prefix + "down_proj.bias"] = (mlp.down_proj.bias.detach(), None)
         return t

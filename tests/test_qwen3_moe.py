@@ -1,0 +1,120 @@
+"""Qwen3-MoE in the engine (engine/models/qwen3_moe.py): greedy tokens and log-probs equal
+transformers' own model, both weight formats load, tensor parallel 2 equals 1, and the
+experts it records are the ones transformers' router picks."""
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from dist import torchrun
+from hflow.engine import LLM, SamplingParams
+
+
+def tiny_moe(norm_topk_prob: bool = True, seed: int = 0) -> Qwen3MoeForCausalLM:
+    """8 experts, top 2; layer 1 dense (mlp_only_layers), layers 0 and 2 sparse."""
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+                         mlp_only_layers=[1], max_position_embeddings=256, eos_token_id=None,
+                         tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():   # a router far from uniform, so top-k is not decided by rounding
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.5)
+    return model
+
+
+PROMPTS = [[5, 9, 11], list(range(3, 40)), [7] * 17]
+
+
+def hf_greedy(model, prompt, max_tokens):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_greedy_and_log_probs_equal_transformers(tmp_path, norm_topk_prob):
+    model = tiny_moe(norm_topk_prob)
+    model.save_pretrained(tmp_path)   # per-expert tensors on disk
+    llm = LLM.from_pretrained(str(tmp_path), num_kv_blocks=64, block_size=8)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(model, prompt, 12)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.outputs[0].logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_fused_state_dict_loads_like_the_checkpoint(tmp_path):
+    """The in-memory (fused) parameters, as a weight sync sends them, give the same engine."""
+    model = tiny_moe(seed=1)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in model.state_dict()
+    model.save_pretrained(tmp_path)
+    from_disk = LLM.from_pretrained(str(tmp_path), num_kv_blocks=64)
+    fused = LLM(model.config, num_kv_blocks=64)
+    loaded = fused.load_weights(model.state_dict().items())
+    assert "model.layers.2.mlp.experts.down_proj" in loaded
+    for (name, a), b in zip(from_disk.model.named_parameters(), fused.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_wrong_expert_shape_is_refused():
+    model = tiny_moe()
+    llm = LLM(model.config, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="experts.gate_up_proj"):
+        llm.load_weights([("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(8, 30, 32))])
+
+
+SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from hflow.engine import LLM, SamplingParams
+
+dist.init_process_group("gloo")
+torch.set_num_threads(1)
+rank, path = dist.get_rank(), sys.argv[1]
+prompts = [[5, 9, 11], list(range(3, 40)), [7] * 17]
+greedy = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True)
+sampled = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=3, ignore_eos=True)
+
+def run(llm):
+    g = llm.generate(prompts, greedy)
+    s = llm.generate(prompts, sampled)
+    return ([[(c.token_ids, c.logprobs) for c in o.outputs] for o in g], [[c.token_ids for c in o.outputs] for o in s])
+
+def same(a, b):
+    (ga, sa), (gb, sb) = a, b
+    assert sa == sb, (sa, sb)
+    for ra, rb in zip(ga, gb):
+        for (ta, la), (tb, lb) in zip(ra, rb):
+            assert ta == tb, (ta, tb)
+            assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
+
+reference = run(LLM.from_pretrained(path, num_kv_blocks=64))
+tp = LLM.from_pretrained(path, tp_group=dist.group.WORLD, num_kv_blocks=64)
+assert tp.model.layers[0].mlp.gate_up.shape == (8, 2, 8, 32)
+same(run(tp), reference)
+# fused full tensors (a weight sync) sliced by the engine
+model = AutoModelForCausalLM.from_pretrained(path)
+fused = LLM(model.config, tp_group=dist.group.WORLD, num_kv_blocks=64)
+fused.load_weights(model.state_dict().items())
+same(run(fused), reference)
+print(f"rank {rank} ok", flush=True)
+dist.barrier()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.dist
+def test_tp2_equals_tp1(tmp_path):
+    path = tmp_path / "moe"
+    tiny_moe().save_pretrained(str(path))
+    run = torchrun(SCRIPT, nproc=2, args=[path], tmp_path=tmp_path, timeout=300).check()
+    assert "rank 0 ok" in run.output and "rank 1 ok" in run.output, run.output
