@@ -118,3 +118,60 @@ def test_tp2_equals_tp1(tmp_path):
     tiny_moe().save_pretrained(str(path))
     run = torchrun(SCRIPT, nproc=2, args=[path], tmp_path=tmp_path, timeout=300).check()
     assert "rank 0 ok" in run.output and "rank 1 ok" in run.output, run.output
+
+
+def hf_routed_experts(model, tokens: list[int]) -> torch.Tensor:
+    """transformers' top-k experts of every token, [tokens, moe layers, k], sorted within k."""
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return torch.stack([logits.float().softmax(-1).topk(k, -1).indices for logits in out.router_logits], 1)
+
+
+def test_routed_experts_are_transformers_routing_prefix_cache_included(tmp_path):
+    """Every sample's routing (prompt and completion but the last token) is the router's on its
+    own sequence: the leader's computed prompt, the followers' shared (prefix-cached or copied)
+    blocks, and a second request whose prompt comes from the prefix cache."""
+    model = tiny_moe(seed=2)
+    model.save_pretrained(tmp_path)
+    llm = LLM.from_pretrained(str(tmp_path), num_kv_blocks=64, block_size=4)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=9, seed=5, ignore_eos=True)
+    first = llm.generate(PROMPTS, params)
+    again = llm.generate([PROMPTS[1]], SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=6, ignore_eos=True))
+    assert again[0].num_cached_tokens > 0
+    for out in first + again:
+        for sample in out.outputs:
+            tokens = out.prompt_token_ids + sample.token_ids
+            routed = sample.routed_experts
+            assert routed.shape == (len(tokens) - 1, 2, 2) and routed.dtype == torch.int32
+            expected = hf_routed_experts(model, tokens[:-1])
+            assert torch.equal(routed.sort(-1).values, expected.sort(-1).values)
+
+
+def test_dense_model_has_no_routing(tmp_path):
+    from test_engine import tiny_model
+    tiny_model("qwen3").save_pretrained(tmp_path)
+    out = LLM.from_pretrained(str(tmp_path), num_kv_blocks=16).generate([[3, 4, 5]], SamplingParams(max_tokens=3))
+    assert out[0].outputs[0].routed_experts is None
+
+
+def test_new_weights_mid_generation_recompute_the_routing(tmp_path):
+    """Weights loaded between steps preempt and recompute every running sequence: the routing
+    handed out is then the new model's, on every token (none left from the old weights)."""
+    old, new = tiny_moe(seed=3), tiny_moe(seed=4)
+    old.save_pretrained(tmp_path)
+    llm = LLM.from_pretrained(str(tmp_path), num_kv_blocks=64, block_size=4)
+    steps = []
+
+    def swap():
+        steps.append(1)
+        if len(steps) == 3:
+            llm.load_weights(new.state_dict().items())
+    outs = llm.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1, ignore_eos=True),
+                        between_steps=swap)
+    for out in outs:
+        for sample in out.outputs:
+            assert sample.weight_changes == [3]
+            tokens = out.prompt_token_ids + sample.token_ids
+            expected = hf_routed_experts(new, tokens[:-1])
+            assert torch.equal(sample.routed_experts.sort(-1).values, expected.sort(-1).values)

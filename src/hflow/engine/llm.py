@@ -106,6 +106,11 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.block_manager)
+        if self.runner.routing_shape is not None:
+            self.scheduler.on_finish = self._keep_routing
+
+    def _keep_routing(self, seq: Sequence) -> None:
+        seq.routed_experts = self.runner.routed_experts(seq)
 
     # ---- weights and memory ----
 
@@ -270,7 +275,8 @@ class LLM:
         first = seqs[0]
         return RequestOutput(first.request_id, first.token_ids[:first.num_prompt_tokens],
                              [CompletionOutput(s.sample_index, s.completion_token_ids, s.logprobs, s.finish_reason,
-                                               text(s.completion_token_ids), s.weight_changes) for s in seqs],
+                                               text(s.completion_token_ids), s.weight_changes,
+                                               s.routed_experts) for s in seqs],
                              num_cached_tokens=min(first.prompt_cached_tokens or 0, first.num_prompt_tokens - 1))
 
     # ---- a batch at once ----

@@ -91,6 +91,11 @@ class ModelRunner:
         self.workspace: torch.Tensor | None = None
         self.cdf_scratch: torch.Tensor | None = None
         self.num_zeroed_blocks = 0
+        # a MoE's routed experts per KV slot, [num_blocks + 1, block_size, moe layers, top_k]:
+        # kept beside the cache so that prefix-cached tokens (a GRPO group's shared prompt) keep theirs
+        moe_layers = getattr(model, "moe_layers", None)
+        self.routing_shape = (num_blocks + 1, block_size, len(moe_layers), model.top_k) if moe_layers else None
+        self.routing: torch.Tensor | None = None
         self.packable, self.packed = can_pack(self.model.lm_head_weight), False
         self.num_copies = {"to_device": 0, "to_host": 0}
 
@@ -112,6 +117,8 @@ class ModelRunner:
             self.kv_cache[:, :, self.scratch_block].zero_()
             self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.kv_shape[1])]
             self.num_zeroed_blocks = 0
+            if self.routing_shape is not None:
+                self.routing = torch.zeros(self.routing_shape, dtype=torch.int32, device=w.device)
         touched = self.block_manager.num_touched_blocks
         if touched > self.num_zeroed_blocks:
             self.kv_cache[:, :, self.num_zeroed_blocks:touched].zero_()
@@ -130,6 +137,22 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.kv_cache, self.kv_caches, self.workspace, self.cdf_scratch = None, [], None, None
+        self.routing = None
+
+    def _record_routing(self, slots: torch.Tensor) -> None:
+        """Keep the experts the forward just chose, at its tokens' KV slots."""
+        if self.routing is not None:
+            self.routing.view(-1, *self.routing_shape[2:]).index_copy_(0, slots, self.model.routed_experts)
+
+    def routed_experts(self, seq: Sequence) -> torch.Tensor | None:
+        """[len(seq) - 1, moe layers, top_k] (on the host): the experts of every token of `seq`
+        forwarded so far (its last, just sampled, is not). Read before its blocks are freed."""
+        if self.routing is None:
+            return None
+        positions = torch.arange(len(seq) - 1)
+        blocks = torch.tensor(seq.block_table, dtype=torch.long)[positions // self.block_size]
+        slots = (blocks * self.block_size + positions % self.block_size).to(self.routing.device)
+        return self.routing.view(-1, *self.routing_shape[2:]).index_select(0, slots).cpu()
 
     def _workspace_for(self, meta: AttentionMetadata) -> torch.Tensor:
         """Grow-only scratch for the gathers of a step: K and V halves of the largest one."""
@@ -253,14 +276,19 @@ class ModelRunner:
             batch = build(sent)
             batch.meta.use_workspace(self._workspace_for(batch.meta), self.kv_shape[3:])
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+            self._record_routing(batch.meta.slot_mapping)
             logits = self.model.compute_logits(hidden[batch.last_rows])[batch.logits_rows].float()
             if batch.copies is not None:  # followers' own blocks: a copy of their leader's, every layer at once
                 src, dst = batch.copies
                 self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+                if self.routing is not None:
+                    self.routing.index_copy_(0, dst, self.routing.index_select(0, src))
         else:
             input_ids, positions, meta = build(sent)
             meta.use_workspace(self._workspace_for(meta), self.kv_shape[3:])
-            logits = self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches)).float()
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            self._record_routing(meta.slot_mapping)
+            logits = self.model.compute_logits(hidden).float()
         tokens, logprobs = sample(logits, seqs, {k: sent[i] for k, i in sampling.items()}, self._cdf_scratch(logits))
         # one copy back: token ids are exact in float64, and so are fp32 log-probs
         out = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)))

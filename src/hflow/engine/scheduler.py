@@ -10,6 +10,7 @@ queue to be recomputed (its tokens so far are prefilled again, mostly from the p
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from hflow.engine.block_manager import BlockManager
 from hflow.engine.sequence import Sequence, Status
@@ -23,6 +24,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        # called with each sequence that finished, before its blocks are freed (the runner
+        # reads what is kept per KV slot: a MoE's routed experts)
+        self.on_finish: Callable[[Sequence], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -101,6 +105,8 @@ class Scheduler:
         done = [s for s in seqs if s.status == Status.FINISHED]
         if done:
             for seq in done:
+                if self.on_finish is not None:
+                    self.on_finish(seq)
                 self.block_manager.deallocate(seq)
             done_ids = {id(s) for s in done}
             self.running = deque(s for s in self.running if id(s) not in done_ids)

@@ -5,6 +5,10 @@ import random
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -68,6 +72,11 @@ class CompletionOutput:
     """The token indices at which the engine's weights were replaced while this completion ran
     (LLM.load_weights between steps): token t was sampled by the weights loaded
     sum(c <= t for c in weight_changes) loads after the first. Empty when none were."""
+    routed_experts: torch.Tensor | None = None
+    """MoE models: the experts the engine's router chose for every token it forwarded (the
+    prompt and all but the last completion token), int32 [prompt + completion - 1, moe layers,
+    top_k]; a prefix-cached token's are those recorded when it was computed, a token recomputed
+    (preemption, new weights) has its latest. None for a dense model."""
 
 
 @dataclass
@@ -108,6 +117,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     weight_changes: list[int] = field(default_factory=list)   # CompletionOutput.weight_changes
+    routed_experts: torch.Tensor | None = None              # CompletionOutput.routed_experts
 
     def __len__(self) -> int:
         return len(self.token_ids)
