@@ -37,10 +37,13 @@ from hflow.batch import Batch
 from hflow.data import ContextRoom, PromptDataset, PromptSampler, load_prompts
 from hflow.data.tasks import task_reward_fn
 from hflow.engine import SUPPORTED_MODEL_TYPES, stop_token_ids
+from hflow.engine.models import runs_fast
+from hflow.engine.models.transformers_fallback import why_not_runnable
 from hflow.recipe_kit.evaluation import evaluate
 from hflow.placement import Placement, job_of, resolve
 from hflow.pretrained import resolve_model
 from hflow.recipe_kit.run import Run
+from hflow.recipe_kit.judging import judge_flag_problems
 from hflow.recipe_kit.scoring import check_same_tokenizer
 from hflow.validation import ConfigError, read_json_object
 from hflow.workers import check_batch_sizes, is_on_policy, rollout_log_probs_exact
@@ -140,15 +143,21 @@ def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm
     if not cfg.trainer.logging.progress_bars:   # one switch for every bar: the phases' and the engine's
         os.environ["HFLOW_PROGRESS"] = "0"
         cfg.rollout.progress = False
-    found = scorer_flag_problems(cfg.reward.model, "--reward.model", "reward", model, default)
+    found = scorer_flag_problems(cfg.reward.model, "--reward.model", "reward", model, default) + \
+        judge_flag_problems(cfg.reward)
     if found:
         raise ConfigError("\n".join(found))
     base = base_policy(model, default)
+    model_type = AutoConfig.from_pretrained(base).model_type
+    if cfg.rollout.tp_size > 1 and not runs_fast(model_type):
+        raise ConfigError(f"--rollout.tp-size {cfg.rollout.tp_size}: model_type {model_type!r} generates on "
+                          "transformers' own model in the engine, which has no tensor parallelism; use "
+                          f"--rollout.tp-size 1 (the engine's own classes: {', '.join(SUPPORTED_MODEL_TYPES)})")
     if cfg.data.chat and not model.path:
         print("hflow: warning: --data.chat wraps every prompt in the chat template, which the embedded default "
               "model has never seen (it was warmed up on bare '27+82=' prompts): expect rewards near 0; drop "
               "--data.chat, or give a chat model with --model.path", flush=True)
-    if not cfg.reward.fn and not cfg.reward.model and not cfg.data.train_files:
+    if not cfg.reward.fn and not cfg.reward.model and not cfg.reward.judge and not cfg.data.train_files:
         cfg.reward.fn = task_reward_fn(cfg.data.task)   # an empty --reward.fn is the built-in task's own checker
     tokenizer = AutoTokenizer.from_pretrained(base)
     resolve_compute_dtypes(cfg, base, cluster.device_type)   # before anything reads them (old log-probs)
@@ -200,9 +209,9 @@ def check_policy_dir(path) -> None:
     if not config.exists():
         raise ConfigError(f"--model.path {path}: not a Hugging Face model directory (no config.json)")
     model_type = read_json_object(config, f"--model.path {path}").get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"--model.path {path}: model_type {model_type!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    refusal = why_not_runnable(model_type)
+    if refusal is not None:
+        raise ConfigError(f"--model.path {path}: model_type {model_type!r} is not supported: {refusal}")
 
 
 def context_room(path, rollout) -> ContextRoom:
