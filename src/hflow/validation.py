@@ -124,6 +124,9 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "episode_weight": _at_least(0, "weight of the trajectory's group advantage beside the per-turn one"),
     "sapo_tau_pos": _positive("SAPO's gate temperature where the advantage is positive"),
     "sapo_tau_neg": _positive("SAPO's gate temperature where the advantage is not positive"),
+    # on-policy distillation (recipes/distill.py --distill.*)
+    "jsd_beta": _within(0, 1, "the teacher's weight in the generalised JSD's mixture"),
+    "reward_weight": _at_least(0, "weight of the task reward's policy loss beside the divergence"),
 }
 
 # fields that name files or directories that must exist ("" and "default" mean the built-in one)

@@ -22,6 +22,7 @@ response). Conventions shared by every function here:
     kl_control.py   the fixed and adaptive KL coefficient controllers
     lagrangian.py   Safe-RLHF's Lagrange multiplier and the Lagrangian's advantage
     pairs.py        reward and cost models' losses on preference pairs; DPO's and IPO's
+    distill.py      on-policy distillation's per-token divergences (DIVERGENCES: reverse_kl, jsd) and loss
     turn_credit.py  per-turn credit over multi-turn trajectories: pad_turn_rewards, turn_returns, turn_advantages
     registry.py     the name -> function tables (Registry) the registries above are
 
@@ -33,6 +34,7 @@ from hflow.algos.advantages import (ESTIMATORS, estimator, gae_advantages, grpo_
                                     remax_advantages, rloo_advantages, scores_to_token_rewards)
 from hflow.algos.correction import (CORRECTION_LEVELS, CORRECTION_MODES, RolloutCorrection, importance_weights,
                                     mismatch_metrics)
+from hflow.algos.distill import DIVERGENCES, distill_loss, token_divergence
 from hflow.algos.kl_control import AdaptiveKLController, FixedKLController
 from hflow.algos.lagrangian import LagrangeMultiplier, lagrangian_advantages, update_log_lambda
 from hflow.algos.losses import (KL_KINDS, POLICY_LOSSES, cispo_policy_loss, entropy_from_logits, gspo_policy_loss,
@@ -57,4 +59,5 @@ __all__ = [
     "bradley_terry_loss", "cost_model_loss", "pair_metrics", "pair_loss",
     "dpo_loss", "dpo_metrics", "dpo_pair_loss", "sequence_log_probs", "DPO_LOSSES",
     "pad_turn_rewards", "turn_returns", "turn_advantages",
+    "DIVERGENCES", "token_divergence", "distill_loss",
 ]
