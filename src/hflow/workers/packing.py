@@ -64,9 +64,11 @@ class Buckets:
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                     hflow_packing=None, **kwargs):
-    """Causal attention inside each packed sequence. query [1, H, T, D], key/value
-    [1, H_kv, T, D]; returns [1, T, H, D] as transformers' attention functions do.
+                     hflow_packing=None, sliding_window=None, **kwargs):
+    """Causal attention inside each packed sequence (within the layer's `sliding_window`, which
+    transformers passes for Mistral's, Qwen2's and Gemma 3's sliding layers: a query sees the
+    `sliding_window` keys up to itself). query [1, H, T, D], key/value [1, H_kv, T, D]; returns
+    [1, T, H, D] as transformers' attention functions do.
 
     The packed tokens of every bucket's rows are gathered at once (one index_select each for
     q, k and v: one full-size gradient each in the backward, not one per bucket) into padded
@@ -90,31 +92,45 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     outs = []
     for (b, L), (qb, kb, vb) in zip(buckets.shapes, pieces):
         qb, kb, vb = (x.view(b, L, *x.shape[1:]).transpose(1, 2) for x in (qb, kb, vb))   # [b, h, L, D]
-        out = causal_attention(qb, kb, vb, scaling)
+        out = causal_attention(qb, kb, vb, scaling, sliding_window)
         outs.append(out.transpose(1, 2).reshape(b * L, out.shape[1], out.shape[3]))
     out = (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, buckets.scatter)   # [T, H, D]
     return out.unsqueeze(0), None
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                     window: int | None = None) -> torch.Tensor:
     """Causal attention within each row: q [b, h, L, D], k/v [b, h_kv, L, D] (h_kv divides h)
-    -> [b, h, L, D]. On CPU in bf16 as explicit matmuls with the softmax in fp32 (as
+    -> [b, h, L, D]; with a `window`, query i sees keys i - window < j <= i only (the row's
+    column is its token's position). On CPU in bf16 as explicit matmuls with the softmax in fp32 (as
     transformers' eager attention): torch's CPU flash kernel took 2.0-2.6x their time there,
     forward + backward on one thread, at Qwen3-0.6B's heads (16 / 8 x 128) and at the 25M
     model's (8 / 4 x 64), over buckets of 46-157 tokens; in fp32 the flash kernel is the faster
     (fp64 and the unmeasured fp16 keep SDPA too)."""
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     b, heads, L, D = q.shape
+    windowed = window is not None and window < L
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16:
+        if not windowed:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden_keys(L, window, q.device), scale=scale,
+                                              enable_gqa=True)
     kv_heads = k.shape[1]
     group = heads // kv_heads
     # the `group` query heads of a KV head as group x L query rows of it: K and V read once
     rows = q.unflatten(1, (kv_heads, group)).flatten(2, 3)                  # [b, h_kv, group * L, D]
     scores = (rows @ k.transpose(-1, -2)).float().mul_(D ** -0.5 if scale is None else scale)
-    future = torch.ones(L, L, dtype=torch.bool, device=q.device).triu_(1)
-    scores = scores.view(b, kv_heads, group, L, L).masked_fill_(future, float("-inf"))
+    hidden = hidden_keys(L, window if windowed else None, q.device)
+    scores = scores.view(b, kv_heads, group, L, L).masked_fill_(hidden, float("-inf"))
     weights = scores.softmax(-1).to(q.dtype).view(b, kv_heads, group * L, L)
     return (weights @ v).view(b, kv_heads, group, L, D).flatten(1, 2)
+
+
+def hidden_keys(L: int, window: int | None, device) -> torch.Tensor:
+    """[L, L] True where query i must not see key j: j > i, or (with a window) j <= i - window."""
+    hidden = torch.ones(L, L, dtype=torch.bool, device=device).triu_(1)
+    if window is not None:
+        hidden |= torch.ones(L, L, dtype=torch.bool, device=device).tril_(-window)
+    return hidden
 
 
 def register_attention() -> str:
@@ -136,6 +152,7 @@ class Packed:
     cols: torch.Tensor           # [K]
     last: torch.Tensor           # [b] packed index of each row's last token
     shape: tuple[int, int]       # (b, R)
+    sources: torch.Tensor        # [T] where each packed token is in the flattened [b, P + R] layout
 
     def model_inputs(self) -> dict:
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False,
@@ -193,7 +210,8 @@ def pack(tensors: dict[str, torch.Tensor], overhead: float = BUCKET_OVERHEAD, sh
     buckets = _buckets(order, lengths, shared, index_of, overhead)
     return Packed(input_ids=input_ids[None], position_ids=positions[None], buckets=buckets,
                   predict_at=index_of(rows, target_positions - 1), targets=input_ids[target_at], rows=rows,
-                  cols=cols, last=index_of(all_rows, lengths - 1), shape=(b, R))
+                  cols=cols, last=index_of(all_rows, lengths - 1), shape=(b, R),
+                  sources=(order[:, None] * mask.shape[1] + torch.arange(mask.shape[1], device=mask.device))[sorted_mask])
 
 
 def _buckets(order: torch.Tensor, lengths: torch.Tensor, shared: torch.Tensor, index_of,
