@@ -4,6 +4,8 @@ same model, data, hyperparameters and evaluator, seed by seed.
     python scripts/learn_side_by_side.py --model-path ~/models/SmolLM2-135M-Instruct --out outputs/lsbs
     python scripts/learn_side_by_side.py --model-path DIR --steps 2 --batch 2 --n 4 --max-tokens 16 \
         --eval-size 8 --eval-every 1 --seeds 0 --out /tmp/lsbs_smoke          # a smoke test (minutes)
+    python scripts/learn_side_by_side.py --model-path DIR --sides distill --teacher GRPO_DIR/actor_hf
+                        # recipes/distill.py from the same start towards a GRPO-trained teacher (issue 47)
 
 Measures, per seed and side: held-out greedy accuracy (step -> accuracy) at step 0, every
 --eval-every steps and at the end; the RL's wall time without evaluation (hflow: the sum of its
@@ -140,15 +142,19 @@ def median(rows, key):
     return statistics.median(r[key] for r in rows) if rows else float("nan")
 
 
-def run_hflow(a, seed: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "recipes/grpo.py",
+def run_hflow(a, seed: int, out: Path, recipe: str = "grpo") -> dict:
+    """recipes/grpo.py, or with `recipe` "distill" recipes/distill.py towards --teacher: the same
+    data, sampling, optimizer and evaluation flags, the algorithm's own flags apart."""
+    own = (["--distill.teacher", a.teacher] if recipe == "distill" else
+           ["--algo.estimator", "grpo", "--algo.kl-coef", str(a.beta)])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", f"recipes/{recipe}.py",
            "--model.path", a.model_path, "--data.task", a.task, "--data.task-args", *a.task_args,
            "--data.task-seed", str(a.task_seed), "--data.task-size", str(a.task_size),
            "--data.task-eval-size", str(a.eval_size), "--data.seed", str(seed), "--data.batch-size", str(a.batch),
            "--rollout.n", str(a.n), "--rollout.max-tokens", str(a.max_tokens), "--rollout.temperature",
            str(a.temperature), "--rollout.seed", str(seed), "--actor.optim.lr", str(a.lr),
-           "--actor.optim.grad-clip", "1.0", "--actor.fsdp.param-dtype", "float32", "--algo.estimator", "grpo",
-           "--algo.kl-coef", str(a.beta), "--reward.fn", "reasoning_gym", "--trainer.steps", str(a.steps),
+           "--actor.optim.grad-clip", "1.0", "--actor.fsdp.param-dtype", "float32", *own,
+           "--reward.fn", "reasoning_gym", "--trainer.steps", str(a.steps),
            "--trainer.eval-every", str(a.eval_every), "--trainer.eval-size", str(a.eval_size),
            "--trainer.output-dir", str(out), "--trainer.overwrite", "--rollout.no-progress",
            "--trainer.logging.no-progress-bars", *shlex.split(a.hflow_args)]
@@ -158,6 +164,7 @@ def run_hflow(a, seed: int, out: Path) -> dict:
     tokens = sum(r["response_length/mean"] * a.batch * a.n for r in steps)
     rl = sum(r["time/step_s"] for r in steps)
     return {"curve": {r["step"]: r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r},
+            "teacher_kl": {r["step"]: r["eval/teacher_kl"] for r in rows if "eval/teacher_kl" in r},
             "rl_wall_s": rl, "process_wall_s": wall, "steps": len(steps),
             "phase_median_s": {"generate": median(steps, "time/generate_s"), "update": median(steps, "time/update_s"),
                                "step": median(steps, "time/step_s")},
@@ -276,7 +283,9 @@ def main(argv=None) -> None:
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--sides", default="hflow,trl")
+    p.add_argument("--sides", default="hflow,trl", help="any of hflow (GRPO), trl (TRL's GRPO), distill "
+                   "(recipes/distill.py towards --teacher)")
+    p.add_argument("--teacher", help="the distill side's teacher (a Hugging Face directory)")
     p.add_argument("--samples", type=int, default=4, help="held-out responses shown before/after")
     p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL sequences per forward/backward")
     p.add_argument("--hflow-args", default="", help="extra hflow flags, one string")
@@ -288,6 +297,8 @@ def main(argv=None) -> None:
         return trl_worker(a.trl_worker)
     if not a.model_path:
         p.error("--model-path is required")
+    if "distill" in a.sides.split(",") and not a.teacher:
+        p.error("--sides distill needs --teacher")
     import torch
     torch.set_num_threads(2)
     sides = [s for s in a.sides.split(",") if s]
@@ -307,8 +318,8 @@ def main(argv=None) -> None:
                 shutil.rmtree(work)
             work.parent.mkdir(parents=True, exist_ok=True)
             print(f"seed {seed}: {side} ...", flush=True)
-            if side == "hflow":
-                r = run_hflow(a, seed, work)
+            if side in ("hflow", "distill"):
+                r = run_hflow(a, seed, work, "grpo" if side == "hflow" else "distill")
                 acc, texts, _ = evaluate(r["final_model"])
                 r["check"] = {"hflow_step0": r["curve"].get(0), "evaluator_step0": start_acc,
                               "hflow_final": r["curve"].get(a.steps), "evaluator_final": acc}
@@ -348,7 +359,7 @@ def main(argv=None) -> None:
     for side in sides:
         m, sd = mean_std([summary["seeds"][s][side]["gain"] for s in a.seeds])
         line.append(f"{side} gain {m:+.3f} +- {sd:.3f}")
-    if len(sides) == 2 and all(walls.values()):
+    if {"hflow", "trl"} <= set(sides) and walls["hflow"] and walls["trl"]:
         ratios = [w1 / w2 for w1, w2 in zip(walls["hflow"], walls["trl"])]
         summary["wall_ratio_hflow_over_trl"] = sum(walls["hflow"]) / sum(walls["trl"])
         line.append(f"wall hflow/trl {summary['wall_ratio_hflow_over_trl']:.2f} "
