@@ -39,6 +39,7 @@ from hflow import layout
 from hflow.workers import packing
 from hflow.workers.log_probs import token_log_probs
 from hflow.workers.micro_batches import packed_row_tokens
+from hflow.workers.moe_replay import MoEConfig, RoutingReplay, packed_routes
 from hflow.workers.base import ModelWorker, TrainingConfig, as_tensors, batch_meta, is_on_policy
 from hflow.workers.hf_model import build_model
 from hflow.workers.hybrid_engine import HybridEngine
@@ -52,6 +53,7 @@ class ActorConfig(TrainingConfig):
     model_path: Suppress[str] = ""
     """Hugging Face directory of the policy (config.json + safetensors); recipes set it from --model.path"""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 class CausalLMWorker(ModelWorker):
@@ -68,11 +70,14 @@ class CausalLMWorker(ModelWorker):
             raise ValueError(f"--{self.flag_prefix}.model-path is required (a Hugging Face directory)")
         model = build_model(cfg.model_path, mesh, cfg.fsdp, "causal_lm", trainable=self.trainable, lora_cfg=cfg.lora)
         super().__init__(mesh, model, cfg, cfg.optim if self.trainable else None)
+        self.routing = RoutingReplay(self.model)
 
     def _log_probs(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
         """Per-token log-probs [b, R] of the responses, from one forward over the packed real
         tokens; only the positions that predict a response token go through the LM head."""
         packed = packing.pack(mb)
+        if self.routing:   # the engine's experts compared with (and, replaying, used for) the trainer's
+            self.routing.use(packed_routes(mb, packed.sources), self.cfg.moe.routing_replay)
         out = self.model(**packed.model_inputs(), logits_to_keep=packed.predict_at)
         # squeeze, not [0]: its backward is a view, where select's zero-fills and copies a [K, V] gradient
         logp, entropy = token_log_probs(out.logits.squeeze(0), packed.targets, temperature, with_entropy,
@@ -136,7 +141,11 @@ class Actor(CausalLMWorker):
             logp, entropy = self._log_probs(mb, temperature, with_entropy)
             if current_as_old:
                 mb = {**mb, "old_log_probs": logp.detach()}
-            return loss_fn(logp, self.wrap(mb, batch), entropy=entropy)
+            loss, metrics = loss_fn(logp, self.wrap(mb, batch), entropy=entropy)
+            if self.routing and "routed_experts" in mb:
+                differ, compared = self.routing.disagreement()
+                metrics = {**metrics, "moe_routing_disagreement": differ / max(compared, 1)}
+            return loss, metrics
 
         fault_point("update")
         return self.train(tensors, n, loss_of, self.cfg.epochs, loss_agg)

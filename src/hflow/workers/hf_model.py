@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from contextlib import ExitStack
 from typing import Callable
 
 import torch
@@ -184,7 +186,49 @@ def load_hf_weights(model: nn.Module, path: str, ignore: Callable[[str], bool] =
                 if local.numel() > 0:
                     local.copy_(stored[local_slices(param)])
                 filled.add(key)
+    filled |= _load_per_expert_weights(params, path, filled)
     missing = [n for n in params if n not in filled and not allow_missing(n)]
     if missing:
         raise ValueError(f"{path}: the checkpoint has no weights for {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+
+
+# transformers 5 keeps a MoE's experts fused in memory (Qwen3-MoE: experts.gate_up_proj [E, 2I, H],
+# experts.down_proj [E, H, I]) but save_pretrained writes one tensor per expert and projection
+_PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _load_per_expert_weights(params: dict[str, torch.Tensor], path: str, filled: set[str]) -> set[str]:
+    """Fill the fused expert parameters not found under their own name from a checkpoint's
+    per-expert tensors (`<prefix>.experts.{j}.{gate,up,down}_proj.weight`), reading only the
+    experts of this rank's shard. Returns the names filled."""
+    fused = {n: p for n, p in params.items() if n not in filled
+             and n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    if not fused:
+        return set()
+    with ExitStack() as stack:
+        where: dict[tuple[str, int, str], tuple] = {}   # (experts prefix, j, projection) -> (file, key)
+        for file in safetensors_files(path):
+            f = stack.enter_context(safe_open(file, framework="pt"))
+            for key in f.keys():
+                match = _PER_EXPERT.match(key)
+                if match:
+                    where[(match[1], int(match[2]), match[3])] = (f, key)
+        done = set()
+        for name, param in fused.items():
+            prefix, kind = name.rsplit(".", 1)
+            projections = ("gate", "up") if kind == "gate_up_proj" else ("down",)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            index = local_slices(param)
+            experts = range(param.shape[0])[index[0]]
+            if any((prefix, j, proj) not in where for j in experts for proj in projections):
+                continue   # reported as missing by the caller
+            for row, j in enumerate(experts):
+                full = torch.cat([where[(prefix, j, proj)][0].get_tensor(where[(prefix, j, proj)][1])
+                                  for proj in projections])
+                if tuple(full.shape) != tuple(param.shape[1:]):
+                    raise ValueError(f"{path}: expert {j} of {name} has shape {tuple(full.shape)} in the "
+                                     f"checkpoint but {tuple(param.shape[1:])} by config.json")
+                local[row].copy_(full[index[1:]])
+            done.add(name)
+    return done

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow import layout
 from hflow.batch import Batch
 from hflow.distributed.parallel import device_of
+from hflow.workers.moe_replay import routes_in_layout
 
 
 @dataclass
@@ -88,6 +89,9 @@ def rollout_batch(prompts_batch, prompts: list[list[int]], outputs, n: int, pad_
     P = group_max(max(map(len, prompts), default=1), mesh)
     R = group_max(max((len(s.token_ids) for o in outputs for s in o.outputs), default=1), mesh)
     tensors, rows = layout.engine_outputs_to_tensors(prompts, outputs, pad_id, response_len=R, prompt_len=P)
+    routes = routes_in_layout(outputs, P, R)
+    if routes is not None:   # a MoE engine's experts, for routing replay (workers/moe_replay.py)
+        tensors["routed_experts"] = routes
     carried = prompts_batch.drop(*[k for k in ("prompt_ids", "input_ids", "attention_mask")
                                    if k in prompts_batch])
     per_prompt = n + with_greedy
