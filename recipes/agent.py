@@ -265,7 +265,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
         setup = dataclasses.replace(setup, model_dir=tool_calling_policy(cluster, setup.model_dir, setup.train,
                                                                          setup.tokenizer))
     placement, env = setup.placement, environment(cfg)
-    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
+    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"),
+                      judge_ranks=placement.get("judge"))
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
     rollouts = setup.rollouts(cluster, actor)   # None: the actor's own engine runs the trajectories

@@ -184,7 +184,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
     # every input checked, then the warm-up; a rollout group of its own with --trainer.async-steps
     setup = set_up(cluster, cfg, sets, algo="grpo", default=EMBEDDED, asynchronous=True)
     placement, dp = setup.placement, len(setup.placement["actor"])
-    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
+    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"),
+                      judge_ranks=placement.get("judge"))
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
     rollouts = setup.rollouts(cluster, actor)   # None: the actor's own engine generates

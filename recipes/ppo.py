@@ -117,7 +117,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
     # every input checked, then the warm-up; a rollout group of its own with --trainer.async-steps
     setup = set_up(cluster, cfg, sets, algo="ppo", default=EMBEDDED, asynchronous=True)
     placement, sampler = setup.placement, setup.sampler
-    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
+    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"),
+                      judge_ranks=placement.get("judge"))
     kl_ctrl = algos.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) \
         if algo.kl_ctrl == "adaptive" else algos.FixedKLController(algo.kl_coef)
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])

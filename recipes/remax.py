@@ -95,7 +95,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
     sets = [["actor"], (["ref"] if algo.kl_coef > 0 else []) + reward_roles(cfg.reward)]
     setup = set_up(cluster, cfg, sets, algo="remax", default=EMBEDDED)   # every input checked, then the warm-up
     placement, sampler = setup.placement, setup.sampler
-    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"))
+    rewards = Rewards(cluster, cfg.reward, setup.tokenizer, setup.reward_model, placement.get("reward"),
+                      judge_ranks=placement.get("judge"))
     actor = cluster.spawn(Actor, setup.actor_cfg, ranks=placement["actor"])
     ref = cluster.spawn(Reference, setup.actor_cfg, ranks=placement["ref"]) if "ref" in placement else None
     # held-out accuracy is the rule's, also when a reward model (a proxy) gives the training score

@@ -147,7 +147,8 @@ def main(cluster: hflow.Cluster, cfg: Config):
         setup = dataclasses.replace(setup, model_dir=refusing_policy(cluster, setup.model_dir, setup.train,
                                                                      setup.tokenizer))
     placement, sampler, tokenizer = setup.placement, setup.sampler, setup.tokenizer
-    rewards = Rewards(cluster, cfg.reward, tokenizer, setup.reward_model, placement.get("reward"))
+    rewards = Rewards(cluster, cfg.reward, tokenizer, setup.reward_model, placement.get("reward"),
+                      judge_ranks=placement.get("judge"))
     cost_cfg = RewardModelConfig(model_path=setup.scorer_dir(cluster, cfg.cost.model, "cost", "--cost.model"),
                                  max_tokens_per_micro_batch=cfg.cost.max_tokens_per_micro_batch)
     cost_model = cluster.spawn(RewardModel, cost_cfg, ranks=placement["cost"])

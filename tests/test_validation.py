@@ -16,7 +16,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 FREE = {"seed", "default_seed", "task_seed", "cost_threshold", "model_weight", "lambda_init",
         "lambda_lr", "lambda_max", "overlong_penalty", "task_eval_size", "eval_batch_size",
         "val_fraction", "margin", "model_max_tokens_per_micro_batch", "pair_accuracy_every",
-        "cost_sign_weight", "interval", "print_every", "tensorboard", "inline", "target", "head_init_seed"}
+        "cost_sign_weight", "judge_weight", "interval", "print_every", "tensorboard", "inline", "target", "head_init_seed"}
 CANDIDATES = (0, -1, 1.5, -0.5, 2, float("nan"), (1.5, 0.5))
 
 

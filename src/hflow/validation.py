@@ -110,6 +110,8 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "center_coef": _at_least(0, "weight of the reward model's centering term; 0: plain Bradley-Terry"),
     "beta": _positive("DPO's beta, the pull towards the reference"),
     "timeout": _positive("seconds per reward call"),
+    "judge_max_tokens": _at_least(1, "new tokens of a judge's verdict"),
+    "judge_score_range": lambda v: None if len(v) == 2 and v[0] < v[1] else "must be two numbers, low < high",
     "log_every": _at_least(1, "steps between log lines"),
     "max_length": _at_least(1, "tokens of a sequence"),
     "stop_at": _within(0, 1, "held-out accuracy that ends training"),

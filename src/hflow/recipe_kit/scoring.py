@@ -1,9 +1,11 @@
 """The training score of a rollout: a rule (--reward.fn), a reward model in the loop
-(--reward.model), or both.
+(--reward.model), a generative judge (--reward.judge, hflow.recipe_kit.judging), or several.
 
     sets = [["actor", ...], reward_roles(cfg.reward)]                  # "reward": a role to place
-    rewards = Rewards(cluster, cfg.reward, tokenizer, reward_model_dir, placement.get("reward"))
-    scores, metrics = rewards(batch)   # reward/mean; with a model also reward/rule_mean, reward/rm_mean, reward/rm_std
+    rewards = Rewards(cluster, cfg.reward, tokenizer, reward_model_dir, placement.get("reward"),
+                      judge_ranks=placement.get("judge"))
+    scores, metrics = rewards(batch)   # reward/mean; with a model also reward/rule_mean, reward/rm_mean, reward/rm_std;
+                                       # with a judge reward/rule_mean, reward/judge_* (judging.py)
     scores, scored = score(batch, tokenizer, rewards.rule)             # the rule alone (held-out evaluation)
     # scores known already (an environment's) kept as the rule's are: samples, the stop, the warning
     rewards.record(batch, env_scores, failures, culprit="the environment", unit="trajectory", fix="fix --agent.env X")
@@ -17,14 +19,16 @@ from transformers import AutoTokenizer
 
 from hflow.batch import Batch
 from hflow.rewards import RewardConfig, ScoredBatch, Scorer
+from hflow.recipe_kit.judging import JudgeReward
 from hflow.recipe_kit.text_batches import prompt_texts, response_texts
 from hflow.validation import UserError
 from hflow.workers import RewardModel, RewardModelConfig
 
 
 def reward_roles(reward: RewardConfig) -> list[str]:
-    """["reward"] when a reward model is in the loop (a role to place like any model), else []."""
-    return ["reward"] if reward.model else []
+    """The scorers that are models, each a role to place like any model: "reward" when a reward
+    model is in the loop, "judge" when a generative judge is."""
+    return ["reward"] * bool(reward.model) + ["judge"] * bool(reward.judge)
 
 
 def score(batch: Batch, tokenizer, rule: Scorer) -> tuple[torch.Tensor, ScoredBatch]:
@@ -41,10 +45,11 @@ class ScoringFailed(UserError):
 class Rewards:
     """The training score of a rollout: the rule (--reward.fn) alone; with a reward model
     (`model_dir`, spawned here on `ranks`) w * rm, or rule + w * rm when --reward.fn is given
-    too. The rule is always computed: it is logged, and held-out evaluation uses it
-    (`rewards.rule`)."""
+    too; a generative judge (--reward.judge, spawned on `judge_ranks`) adds wj * judge. The
+    rule is always computed: it is logged, and held-out evaluation uses it (`rewards.rule`)."""
 
-    def __init__(self, cluster, cfg: RewardConfig, tokenizer, model_dir: str | None = None, ranks=None):
+    def __init__(self, cluster, cfg: RewardConfig, tokenizer, model_dir: str | None = None, ranks=None,
+                 judge_ranks=None):
         self.cfg, self.tokenizer, self.rule = cfg, tokenizer, Scorer(cfg)
         self.rule.start()   # its worker processes load the function while the models build
         self.model = None
@@ -54,26 +59,39 @@ class Rewards:
         if model_dir:
             rm_cfg = RewardModelConfig(model_path=str(model_dir), max_tokens_per_micro_batch=cfg.model_max_tokens_per_micro_batch)
             self.model = cluster.spawn(RewardModel, rm_cfg, ranks=ranks)
+        self.judge = JudgeReward(cluster, cfg, judge_ranks) if cfg.judge else None
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """One training score per sequence of a rollout Batch, and the metrics (reward/*)."""
         # the reward model works on its ranks while the controller applies the rule
+        # the reward model and the judge work on their ranks while the controller applies the rule
         pending = self.model.scores.future(batch.select("input_ids", "attention_mask", "response_mask")) \
             if self.model else None
+        judging = self.judge.request(batch, self.tokenizer) if self.judge else None
         rule, scored = score(batch, self.tokenizer, self.rule)
         metrics = scored.metrics
-        if pending is None:   # the rule is the training score
+        if pending is None and judging is None:   # the rule is the training score
             self.record(batch, rule, scored.failures)
             return rule, metrics
         if self.cfg.fn:   # the rule is part of the training score
             self.stop_if_scoring_keeps_failing(scored.failures)
-        rm = pending.result()["rm_scores"]
-        scores = self.cfg.model_weight * rm + (rule if self.cfg.fn else 0.0)
+        scores = rule if self.cfg.fn else torch.zeros(len(batch))
+        metrics["reward/rule_mean"] = metrics.pop("reward/mean")
+        if pending is not None:
+            rm = pending.result()["rm_scores"]
+            scores = scores + self.cfg.model_weight * rm
+            metrics |= {"reward/rm_mean": rm.mean().item(), "reward/rm_std": rm.std().item() if len(rm) > 1 else 0.0}
+        if judging is not None:
+            judged, failures, judge_metrics = self.judge.result(judging)
+            scores = scores + self.cfg.judge_weight * judged
+            metrics |= judge_metrics
+            if not self.cfg.fn and pending is None:   # the judge alone: one that never parses teaches nothing
+                self.stop_if_scoring_keeps_failing(failures, "the judge", "verdict", "make the verdicts parse "
+                                                   "(--reward.judge-template, --reward.judge-parse), or use a "
+                                                   "stronger --reward.judge")
         self.samples = self.sampled(batch, scores)
         self.warn_if_no_signal(scores)
-        metrics["reward/rule_mean"] = metrics.pop("reward/mean")
-        return scores, metrics | {"reward/mean": scores.mean().item(), "reward/rm_mean": rm.mean().item(),
-                                  "reward/rm_std": rm.std().item() if len(rm) > 1 else 0.0}
+        return scores, metrics | {"reward/mean": scores.mean().item()}
 
     def record(self, batch: Batch, scores: torch.Tensor, failures: list[str | None],
                culprit: str = "the reward function", unit: str = "response", fix: str | None = None) -> None:
@@ -132,6 +150,8 @@ class Rewards:
 
     def close(self) -> None:
         self.rule.close()
+        if self.judge is not None:
+            self.judge.close()
 
 
 def check_same_tokenizer(path, tokenizer, flag: str = "--reward.model") -> None:

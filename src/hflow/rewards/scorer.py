@@ -2,7 +2,7 @@
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from hflow.rewards.code import code_score
 from hflow.rewards.pool import RewardPool, ScoredBatch, score_batch
@@ -15,7 +15,8 @@ DEFAULT_RULE = "arithmetic"   # the built-in task's checker: what an empty --rew
 @dataclass
 class RewardConfig:
     """How a rollout is scored: a rule (--reward.fn), a reward model in the loop (--reward.model),
-    or both, score = rule + w * rm. Held-out evaluation always uses the rule."""
+    a generative judge (--reward.judge), or several: score = rule + w * rm + wj * judge, each
+    part present only when given. Held-out evaluation always uses the rule."""
 
     fn: str = ""
     """Rule score function: arithmetic, gsm8k, gsm8k_flexible, math, countdown, code, reasoning_gym, or 'package.module:function'; empty: the built-in --data.task's own checker (arithmetic, code, or reasoning_gym for an rg: task; arithmetic with --data.train-files), and with --reward.model no rule in the training score (evaluation still uses it)."""
@@ -23,6 +24,20 @@ class RewardConfig:
     """Reward model in the loop: a Hugging Face sequence-classifier directory sharing the policy's tokenizer (e.g. from recipes/reward_model.py), or 'default': the embedded default's, trained on arithmetic pairs once and cached; empty: none."""
     model_weight: float = 1.0
     """w: the training score is w * rm, or rule + w * rm when --reward.fn is given too."""
+    judge: str = ""
+    """Generative judge in the loop (hflow.workers.judge): a causal LM (a Hugging Face directory, a .gguf file, a Hub id or a fetched name) prompted with --reward.judge-template on each (prompt, response, reference) and its greedy verdict parsed by --reward.judge-parse to a score in [0, 1]; a role of its own ("judge"), placed like a reward model, asleep while the actor trains; its own tokenizer. Empty: none."""
+    judge_template: str = ""
+    """File of the judge's prompt, with the fields {prompt} {response} {reference} (the row's ground truth; a literal brace: {{ }}); empty: the built-in one (docs/recipes.md), which asks for what --reward.judge-parse reads."""
+    judge_parse: Literal["score", "yes_no"] = "score"
+    """How a verdict becomes a score: score = the LAST 'Score: N' or '<score>N</score>' (case-insensitive), N in --reward.judge-score-range [lo, hi], scaled to (N - lo) / (hi - lo); yes_no = the LAST standalone word yes (1) or no (0). Anything else is unparsable: it scores 0 and is counted in reward/judge_unparsable."""
+    judge_score_range: tuple[float, float] = (0.0, 10.0)
+    """[lo, hi] of N in 'Score: N'; a number outside it is unparsable."""
+    judge_max_tokens: int = 64
+    """New tokens of one verdict (greedy: the judge samples at temperature 0)."""
+    judge_weight: float = 1.0
+    """wj: the judge's part of the training score (alone: wj * judge)."""
+    judge_free_weights: bool = False
+    """Between judgings free the judge's weights too, not only its KV cache (read from disk again at each step): memory for the actor's update at the cost of a read."""
     model_max_tokens_per_micro_batch: int = 8192
     """Token budget of one reward-model forward on one rank."""
     num_workers: int = 0
