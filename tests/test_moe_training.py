@@ -96,3 +96,41 @@ def test_engine_samples_match_and_replay_metric_is_logged(one, two):
         metric = saved["replay_metrics"]["actor/moe_routing_disagreement"]
         assert 0.0 <= metric < 0.01   # fp32 engine and trainer pick the same experts
         assert "actor/moe_routing_disagreement" not in saved["metrics"]   # no engine routes: nothing compared
+
+
+def recipe_moe_dir(path):
+    """A tiny Qwen3-MoE with the default model's tokenizer and chat template (vocab 512), so the
+    recipes' data and rewards run on it."""
+    import shutil
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from hflow.default.model import build_default
+    source = build_default(path / "tokenizer_source", "tiny", seed=0)
+    model = path / "model"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(source / name, model / name)
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+                         eos_token_id=2, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(model)
+    return model
+
+
+@pytest.mark.dist
+def test_grpo_with_routing_replay_logs_the_disagreement_every_step(tmp_path):
+    import json
+    from pathlib import Path
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    out = tmp_path / "grpo"
+    args = ["--model.path", recipe_moe_dir(tmp_path), "--trainer.output-dir", out, "--trainer.steps", 2,
+            "--data.batch-size", 4, "--rollout.n", 2, "--rollout.max-tokens", 4, "--trainer.eval-size", 8,
+            "--trainer.logging.no-progress-bars", "--trainer.no-export", "--actor.fsdp.param-dtype", "bfloat16",
+            "--actor.moe.routing-replay"]
+    torchrun(str(recipes / "grpo.py"), 2, args, timeout=400).check()
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    for row in logged[1:]:
+        assert 0.0 <= row["actor/moe_routing_disagreement"] <= 1.0
+        assert row["actor/mismatch/abs_log_ratio_max"] < 0.05   # bf16 engine vs replayed trainer

@@ -58,6 +58,7 @@ class RoutingReplay:
         self.counted: set[int] = set()
         self.differ = torch.zeros((), dtype=torch.long)
         self.compared = torch.zeros((), dtype=torch.long)
+        self.totals = [0, 0]   # (differ, compared) over every forward: a caller's to read and reset
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(layer))
 
@@ -90,8 +91,11 @@ class RoutingReplay:
             if layer not in self.counted:   # a recomputing backward is not a second look
                 self.counted.add(layer)
                 same = (engine.sort(-1).values == chosen.sort(-1).values).all(-1)
-                self.differ += (known & ~same).sum().cpu()
-                self.compared += known.sum().cpu()
+                differ, compared = (known & ~same).sum().cpu(), known.sum().cpu()
+                self.differ += differ
+                self.compared += compared
+                self.totals[0] += int(differ)
+                self.totals[1] += int(compared)
             if not self.replay:
                 return output
             experts = torch.where(known[:, None], engine, chosen)
