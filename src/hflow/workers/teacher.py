@@ -39,8 +39,6 @@ class StudentWithTeacher(Actor):
     log-probs, each micro-batch's per-token `divergence` [b, r] (with gradient) and the sampled
     tokens' `student_token_log_probs` / `teacher_token_log_probs` (at temperature 1)."""
 
-    metric_prefix = "actor"
-
     def __init__(self, mesh: DeviceMesh, cfg: ActorConfig, teacher_path: str, divergence: str = "reverse_kl",
                  beta: float = 0.5):
         super().__init__(mesh, cfg)
