@@ -115,6 +115,8 @@ def test_a_bad_template_file_is_refused_with_the_fix(tmp_path, text, message):
 def test_judge_flags_are_checked_before_any_work(tiny_model, tmp_path):
     assert judge_flag_problems(RewardConfig()) == []
     assert judge_flag_problems(RewardConfig(judge=str(tiny_model))) == []
+    [auto] = judge_flag_problems(RewardConfig(judge=str(tiny_model)), "auto")
+    assert auto.startswith("--trainer.placement auto does not plan a judge yet")
     [missing] = judge_flag_problems(RewardConfig(judge=str(tmp_path / "nothing")))
     assert missing.startswith(f"--reward.judge {tmp_path / 'nothing'}")
     good = tmp_path / "good.txt"
@@ -260,7 +262,7 @@ def test_smollm2_judges_right_and_wrong_answers(smollm2_dir, tmp_path, parse):
     out = tmp_path / "judged.json"
     command = [sys.executable, PAIRS_PROGRAM, str(smollm2_dir), str(out), "--parse", parse, "--max-tokens", "16"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "JUDGE OK" in proc.stdout, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     template = default_template(parse, (0, 10), with_reference=True)

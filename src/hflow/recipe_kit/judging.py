@@ -35,9 +35,13 @@ def judge_model_dir(cfg: RewardConfig) -> Path:
     return path
 
 
-def judge_flag_problems(cfg: RewardConfig) -> list[str]:
-    """What is wrong with the --reward.judge* flags, before any work (one line each)."""
+def judge_flag_problems(cfg: RewardConfig, placement: str = "colocate") -> list[str]:
+    """What is wrong with the --reward.judge* flags (and a --trainer.placement that cannot hold a
+    judge), before any work (one line each)."""
     found = []
+    if cfg.judge and placement.strip() == "auto":
+        found.append("--trainer.placement auto does not plan a judge yet (the planner has no model of its cost): "
+                     "name a placement with --reward.judge: colocate, split, standalone or a SPEC")
     if cfg.judge_template and not cfg.judge:
         found.append(f"--reward.judge-template {cfg.judge_template}: given without --reward.judge "
                      f"(the model it prompts)")

@@ -144,7 +144,7 @@ def set_up(cluster, cfg, sets: list[list[str]], *, algo: str, default=None, warm
         os.environ["HFLOW_PROGRESS"] = "0"
         cfg.rollout.progress = False
     found = scorer_flag_problems(cfg.reward.model, "--reward.model", "reward", model, default) + \
-        judge_flag_problems(cfg.reward)
+        judge_flag_problems(cfg.reward, cfg.trainer.placement)
     if found:
         raise ConfigError("\n".join(found))
     base = base_policy(model, default)
