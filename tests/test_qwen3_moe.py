@@ -175,3 +175,12 @@ def test_new_weights_mid_generation_recompute_the_routing(tmp_path):
             tokens = out.prompt_token_ids + sample.token_ids
             expected = hf_routed_experts(new, tokens[:-1])
             assert torch.equal(sample.routed_experts.sort(-1).values, expected.sort(-1).values)
+
+
+def test_kv_budget_counts_the_routing_beside_the_cache():
+    model = tiny_moe()
+    llm = LLM(model.config, kv_cache_bytes=1 << 20, block_size=8)
+    kv = 2 * 3 * 8 * 2 * 8 * 4            # K and V, 3 layers, 8 slots, 2 KV heads x 8, fp32
+    routing = 8 * 2 * 2 * 4               # 8 slots x 2 MoE layers x top-2, int32
+    assert llm.runner.bytes_per_block(llm.model, 8) == kv + routing
+    assert llm.block_manager.num_blocks == (1 << 20) // (kv + routing)

@@ -103,7 +103,8 @@ class ModelRunner:
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
         attn = model.layers[0].self_attn
         elem = model.embed_tokens.weight.element_size()
-        return 2 * len(model.layers) * block_size * attn.num_kv_heads * attn.head_dim * elem
+        routing = len(getattr(model, "moe_layers", ())) * getattr(model, "top_k", 0) * 4   # int32 experts a token
+        return 2 * len(model.layers) * block_size * attn.num_kv_heads * attn.head_dim * elem + block_size * routing
 
     @property
     def device(self) -> torch.device:
