@@ -96,6 +96,10 @@ def test_engine_samples_match_and_replay_metric_is_logged(one, two):
         metric = saved["replay_metrics"]["actor/moe_routing_disagreement"]
         assert 0.0 <= metric < 0.01   # fp32 engine and trainer pick the same experts
         assert "actor/moe_routing_disagreement" not in saved["metrics"]   # no engine routes: nothing compared
+        wrong = saved["wrong_routes"]   # every expert the engine chose shifted by one
+        assert wrong["replayed_moves"] > 1e-3 and wrong["compared_moves"] == 0.0
+        # a sample's prompt is forwarded once per packed group: fewer pairs compared than laid out
+        assert wrong["disagreement"] == 1.0 and 0 < wrong["compared"] <= wrong["known"]
 
 
 def recipe_moe_dir(path):

@@ -74,6 +74,22 @@ for replay in (False, True):
     recomputed = actor.log_probs(sampled, 1.0)["old_log_probs"]
     gaps[replay] = (recomputed - sampled["rollout_log_probs"])[mask].abs().max().item()
 saved["engine_gap"] = gaps
+
+# other experts than the engine's (each shifted by one): replayed, they change the log-probs;
+# compared only, they change nothing and every known token x layer disagrees
+routes = sampled["routed_experts"]
+wrong = Batch({**sampled.tensors, **sampled.objects, "routed_experts": torch.where(routes >= 0, (routes + 1) % 8, routes)},
+              meta=sampled.meta)
+logp = {}
+for replay, batch_ in ((False, sampled), (False, wrong), (True, wrong)):
+    actor.cfg.moe.routing_replay = replay
+    actor.routing.totals = [0, 0]
+    logp[(replay, batch_ is wrong)] = actor.log_probs(batch_, 1.0)["old_log_probs"]
+    differ, compared = actor.routing.totals
+saved["wrong_routes"] = {"replayed_moves": (logp[(True, True)] - logp[(False, False)])[mask].abs().max().item(),
+                         "compared_moves": (logp[(False, True)] - logp[(False, False)]).abs().max().item(),
+                         "disagreement": differ / compared,
+                         "compared": compared, "known": int((routes >= 0).all(-1).sum())}
 print(f"rank {rank}: engine vs trainer log-probs, replay off {gaps[False]:.2e}, on {gaps[True]:.2e}", flush=True)
 
 sampled["advantages"] = torch.randn(mask.shape, generator=torch.Generator().manual_seed(rank)) * mask
