@@ -169,3 +169,27 @@ def test_engine_bf16_is_as_close_to_fp32_as_transformers_bf16(gemma3_270m_dir, h
               f"{mine.mean():.4f} ({theirs.mean():.4f}), logit gap {gaps.max():.3f}")
     assert mine.max() <= max(BF16_LOGPROB_TOL, 1.25 * theirs.max()) and gaps.max() <= BF16_LOGIT_GAP
     assert mine.mean() <= 1.5 * theirs.mean()
+
+
+def test_the_trainers_packed_pass_equals_transformers_past_the_window(hf_model, prompts):
+    """The trainer's packed attention (hflow.workers.packing) on the real weights, rows longer than
+    the 512-token window and a short one packed together: log-probs equal transformers' forward."""
+    import copy
+
+    from hflow import layout
+    from hflow.workers import packing
+
+    rows = [prompts[-1][:-40], prompts[0], prompts[-2][:-60]]
+    responses = [prompts[-1][-40:], [108, 236770, 236743], prompts[-2][-60:]]
+    assert len(rows[0]) + len(responses[0]) > WINDOW + 32
+    t = layout.sequence_tensors(rows, responses, pad_id=0)
+    model = copy.deepcopy(hf_model)
+    model.config._attn_implementation = packing.register_attention()
+    with torch.no_grad():
+        packed = packing.pack(t)
+        logits = model(**packed.model_inputs(), logits_to_keep=packed.predict_at).logits[0].float()
+        got = packed.unpack(torch.log_softmax(logits, -1).gather(-1, packed.targets[:, None])[:, 0])
+    for i, (prompt, response) in enumerate(zip(rows, responses)):
+        expect = torch.log_softmax(hf_logits(hf_model, prompt, response), -1).gather(
+            1, torch.tensor(response)[:, None])[:, 0]
+        assert (got[i, :len(response)] - expect).abs().max() < 1e-4, i
