@@ -198,6 +198,28 @@ def test_judge_role_on_2_ranks_writes_transformers_greedy_verdicts(tiny_model, t
     assert all(r["score"] is None for r in rows)
 
 
+@pytest.mark.dist
+def test_a_judge_prompt_that_leaves_no_room_for_the_verdict_is_refused_with_the_flags(tiny_model, tmp_path):
+    """The tiny model's context is 256 tokens: a 200-token prompt and a 64-token verdict do not fit."""
+    script = f"""
+        import hflow
+        from hflow.workers.judge import Judge, JudgeConfig
+
+        def main(cluster, cfg):
+            judge = cluster.spawn(Judge, JudgeConfig(model_path={str(tiny_model)!r}, max_tokens=64))
+            assert len(judge.verdicts(hflow.Batch({{"judge_prompt": ["1+1="]}}))) == 1
+            print("SHORT PROMPT JUDGED", flush=True)
+            judge.verdicts(hflow.Batch({{"judge_prompt": ["1+1=" * 50]}}))
+            return "NOT REFUSED"
+
+        print(hflow.launch(main))
+    """
+    run = torchrun(script, 1, tmp_path=tmp_path, timeout=300)   # a failed worker call fails the run
+    assert run.returncode != 0 and "SHORT PROMPT JUDGED" in run.output and "NOT REFUSED" not in run.output
+    assert "ValueError: a judge prompt of 209 tokens and a verdict of --reward.judge-max-tokens 64 do not fit " \
+           "the judge's context of 256 tokens" in run.output
+
+
 # ---------------------------------------------------------------- GRPO with a judge
 
 

@@ -66,6 +66,17 @@ class Judge:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(text)["input_ids"]
 
+    def check_fit(self, prompts: list[list[int]]) -> None:
+        """Refuse a prompt that leaves no room for a verdict in the judge's context (the engine
+        would cut the verdict short, or refuse the prompt with no word of the judge's flags)."""
+        room = self.llm.max_model_len - self.cfg.max_tokens
+        longest = max((len(p) for p in prompts), default=0)
+        if longest > room:
+            raise ValueError(f"a judge prompt of {longest} tokens and a verdict of --reward.judge-max-tokens "
+                             f"{self.cfg.max_tokens} do not fit the judge's context of {self.llm.max_model_len} "
+                             f"tokens: shorten --reward.judge-template or --rollout.max-tokens, lower "
+                             f"--reward.judge-max-tokens, or use a judge with a longer context")
+
     @dispatch("dp")
     @torch.no_grad()
     def verdicts(self, batch: Batch) -> Batch:
@@ -73,6 +84,7 @@ class Judge:
         this rank's seconds (waking and sleeping included)."""
         began = time.perf_counter()
         prompts = [self.prompt_ids(text) for text in batch["judge_prompt"]]
+        self.check_fit(prompts)
         self._wake()
         try:
             outputs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=self.cfg.max_tokens))
