@@ -7,7 +7,7 @@ this one). Any other decoder runs on transformers' own model with the engine's p
 from hflow.engine.models.gemma3 import Gemma3CausalLM
 from hflow.engine.models.llama import CausalLM
 from hflow.engine.models.qwen3_moe import Qwen3MoeCausalLM
-from hflow.engine.models.transformers_fallback import TransformersCausalLM, say_fallback
+from hflow.engine.models.transformers_fallback import TransformersCausalLM, say_fallback, why_not_runnable
 
 MODEL_CLASSES: dict[str, type] = {
     "llama": CausalLM,
@@ -30,5 +30,8 @@ def build_model(hf_config, max_len: int, tp=None, dtype=None, device="cpu"):
     model_type = getattr(hf_config, "model_type", None)
     if model_type in MODEL_CLASSES:
         return MODEL_CLASSES[model_type](hf_config, max_len, tp, dtype, device)
+    refusal = why_not_runnable(model_type)
+    if refusal is not None:
+        raise ValueError(f"hflow.engine cannot run model_type {model_type!r}: {refusal}")
     say_fallback(model_type, MODEL_CLASSES)
     return TransformersCausalLM(hf_config, max_len, tp, dtype, device)
