@@ -101,6 +101,14 @@ def test_the_issues_examples(flag_path, value, message):
     assert message in str(raised.value)
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+def test_a_fetched_model_name_or_a_hub_id_is_a_model_path(name):
+    """resolve_model takes these (docs/real-model.md): the path check must not refuse them first."""
+    check_config(replaced(CONFIGS["ppo"], ("model", "path"), name))
+    with pytest.raises(ConfigError, match="no such file or directory"):
+        check_config(replaced(CONFIGS["ppo"], ("data", "train_files"), [name]))
+
+
 def trainer(out, **kw):
     return dataclasses.replace(CONFIGS["ppo"].trainer, output_dir=str(out), **kw)
 

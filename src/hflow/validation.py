@@ -165,9 +165,18 @@ def problems(cfg) -> list[str]:
                 found.append(f"{flag(path)} {value}: {message}")
         if name in PATHS:
             for item in value if isinstance(value, (list, tuple)) else [value]:
-                if item and item != "default" and not Path(item).expanduser().exists():
+                if item and item != "default" and not Path(item).expanduser().exists() and not names_a_model(name, item):
                     found.append(f"{flag(path)} {item}: no such file or directory")
     return found
+
+
+def names_a_model(name: str, item: str) -> bool:
+    """A model `path` may also be a fetched model's name or a Hub id, which
+    hflow.pretrained.resolve_model turns into a directory (or refuses, saying what to pass)."""
+    if name != "path":
+        return False
+    from hflow.pretrained.resolve import HUB_ID, PACKAGED   # hflow.pretrained imports this module
+    return item in PACKAGED or bool(HUB_ID.match(item))
 
 
 def check_config(cfg, more: Iterable[str] = ()) -> None:
