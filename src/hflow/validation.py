@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -170,13 +171,14 @@ def problems(cfg) -> list[str]:
     return found
 
 
+# a fetched model's name (smollm2-135m-instruct) or a Hub id (org/name): hflow.pretrained's
+# resolve_model (a layer above this one) turns it into a directory or refuses it, saying what to pass
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
 def names_a_model(name: str, item: str) -> bool:
-    """A model `path` may also be a fetched model's name or a Hub id, which
-    hflow.pretrained.resolve_model turns into a directory (or refuses, saying what to pass)."""
-    if name != "path":
-        return False
-    from hflow.pretrained.resolve import HUB_ID, PACKAGED   # hflow.pretrained imports this module
-    return item in PACKAGED or bool(HUB_ID.match(item))
+    """Whether a missing `path` (the model's) has the shape of a model name, left to resolve_model."""
+    return name == "path" and bool(MODEL_NAME.match(item))
 
 
 def check_config(cfg, more: Iterable[str] = ()) -> None:
