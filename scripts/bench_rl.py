@@ -43,6 +43,9 @@ measured memory read bandwidth (a sum over 256 MiB). Floors count only the work 
 log-probs for GRPO (both sides skip them); for PPO the critic's values, plus the reference's and
 the actor's log-probs when a reference puts a KL in the reward (the default workload).
 
+`--model qwen3-0.6b-moe`: the same as a Qwen3-MoE of the same active size (8 tiny experts of 768,
+top 4: the active MLP is the dense 3072; the floors count active weights only).
+
 `--model qwen3-0.6b`: equal/vary on Qwen3-0.6B's shape (hidden 1024, 28 layers, 16/8 heads of 128,
 MLP 3072, vocab 151,936, tied) with Qwen3's real tokenizer (tests/fixtures/qwen3), random weights
 built once under ~/.cache/hflow/bench/, prompts of 4-16 real word tokens, <= 32 new tokens
@@ -77,7 +80,11 @@ sys.path.insert(0, str(REPO / "src"))
 SIZES = {"25m": dict(hidden=512, inter=1376, layers=8, heads=8, kv=4),
          "quick": dict(hidden=128, inter=344, layers=2, heads=4, kv=2),
          # Qwen3-0.6B's shape: 16/8 heads of 128 (wider than hidden / heads), tied embeddings
-         "qwen3-0.6b": dict(hidden=1024, inter=3072, layers=28, heads=16, kv=8, head_dim=128, vocab=151936)}
+         "qwen3-0.6b": dict(hidden=1024, inter=3072, layers=28, heads=16, kv=8, head_dim=128, vocab=151936),
+         # the same shape as a Qwen3-MoE of tiny experts whose active MLP is the dense one's: 8 experts
+         # of 768, top 4 (4 x 768 = 3072 active; twice the dense MLP's weights in all: 0.86B parameters)
+         "qwen3-0.6b-moe": dict(hidden=1024, inter=3072, layers=28, heads=16, kv=8, head_dim=128, vocab=151936,
+                                experts=8, top_k=4, moe_inter=768)}
 # prompts: 8-64 tokens (4-16 at 0.6B); "short" is equal with 2-6-token prompts, where sharing a
 # prompt among its n samples saves little and hflow's lead rests on the rest of the step
 WORKLOADS = {"equal": dict(max_tokens=32, eos_prob=1e-6, prompt_tokens=(8, 64)),
@@ -157,7 +164,8 @@ def make_model(size: dict, eos_prob: float, seed: int = 0):
     import math
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
     qwen3 = "head_dim" in size
@@ -166,8 +174,16 @@ def make_model(size: dict, eos_prob: float, seed: int = 0):
                  num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
                  num_key_value_heads=size["kv"], max_position_embeddings=512, tie_word_embeddings=True,
                  eos_token_id=eos, bos_token_id=pad if qwen3 else eos, pad_token_id=pad)
-    model = (Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=size["head_dim"], rope_theta=1e6, rms_norm_eps=1e-6))
-             if qwen3 else Qwen2ForCausalLM(Qwen2Config(**shape))).eval()
+    if "experts" in size:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **shape, head_dim=size["head_dim"], rope_theta=1e6, rms_norm_eps=1e-6, num_experts=size["experts"],
+            num_experts_per_tok=size["top_k"], moe_intermediate_size=size["moe_inter"], norm_topk_prob=True,
+            router_aux_loss_coef=0.0))
+    elif qwen3:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=size["head_dim"], rope_theta=1e6, rms_norm_eps=1e-6))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+    model.eval()
     emb = model.model.embed_tokens.weight.data
     emb[:, 0] = 1.0
     with torch.no_grad():
@@ -180,7 +196,8 @@ def qwen3_model_dir(size: dict, eos_prob: float) -> Path:
     """make_model at a Qwen3 size, saved once in bf16 (1.2 GB at 0.6B) under ~/.cache/hflow/bench/."""
     import torch
 
-    path = Path.home() / ".cache" / "hflow" / "bench" / f"bench_rl-qwen3-L{size['layers']}-eos{eos_prob:g}"
+    moe = f"-moe{size['experts']}x{size['moe_inter']}top{size['top_k']}" if "experts" in size else ""
+    path = Path.home() / ".cache" / "hflow" / "bench" / f"bench_rl-qwen3{moe}-L{size['layers']}-eos{eos_prob:g}"
     if not (path / "config.json").exists():
         make_model(size, eos_prob).to(torch.bfloat16).save_pretrained(path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)
@@ -285,7 +302,10 @@ def prepare(name: str, args, root: Path) -> dict:
     h = c.hidden_size
     head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    layer = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size   # q, o; k, v; gate, up, down
+    # q, o; k, v; gate, up, down (an MoE: the top-k experts' and the router's: the active weights)
+    mlp = (3 * h * c.moe_intermediate_size * c.num_experts_per_tok + h * c.num_experts
+           if c.model_type == "qwen3_moe" else 3 * h * c.intermediate_size)
+    layer = 2 * h * q + 2 * h * kv + mlp
     spec.update(model_dir=str(model_dir), shapes=shapes, prompt_lens=prompt_lens, hidden=h, vocab=c.vocab_size,
                 inter=c.intermediate_size, n_body=c.num_hidden_layers * layer, n_head=c.vocab_size * h,
                 q=q, kv=kv, layers=c.num_hidden_layers, arch=type(c).__name__.removesuffix("Config"))
@@ -572,8 +592,9 @@ def main():
     ap.add_argument("--batch", type=int, default=16, help="prompts per step (equal/vary)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (equal/vary)")
     ap.add_argument("--cores", type=int, default=2)
-    ap.add_argument("--model", default="25m", choices=["25m", "qwen3-0.6b"],
-                    help="equal/vary's model: the 25M Qwen2, or Qwen3-0.6B's shape with Qwen3's tokenizer (bf16)")
+    ap.add_argument("--model", default="25m", choices=["25m", "qwen3-0.6b", "qwen3-0.6b-moe"],
+                    help="equal/vary's model: the 25M Qwen2, Qwen3-0.6B's shape with Qwen3's tokenizer (bf16), or "
+                         "that shape as a Qwen3-MoE of the same active size (8 experts of 768, top 4)")
     ap.add_argument("--layers", type=int, default=0, help="qwen3-0.6b with fewer decoder layers (a quick check)")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                     help="both sides in bf16 (TRL bf16=True; hflow --actor.fsdp.param-dtype bfloat16, fp32 master "
