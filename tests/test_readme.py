@@ -133,7 +133,9 @@ def runs_of(kind: str) -> dict[str, list[tuple[str, list[str]]]]:
             for part in command.split("&&"):
                 match = re.search(pattern, part)
                 if match:
-                    flags = [a.split("=")[0] for a in re.findall(r"(?<![\w-])--[a-z][\w-]*", match[2])]
+                    # a quoted argument's flags are another command's (--hflow-args "--actor...")
+                    args = re.sub(r"\"[^\"]*\"|'[^']*'", "''", match[2])
+                    flags = [a.split("=")[0] for a in re.findall(r"(?<![\w-])--[a-z][\w-]*", args)]
                     found.setdefault(match[1], []).append((page, [f for f in flags if f != "--help"]))
     return found
 

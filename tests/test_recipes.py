@@ -304,9 +304,10 @@ def test_bad_input_stops_before_work_with_a_message(case, tiny_model, tmp_path):
     else:
         bad = tmp_path / "gpt2"
         bad.mkdir()
-        (bad / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        # a family the engine's transformers fallback cannot run either (docs/models.md)
+        (bad / "config.json").write_text(json.dumps({"model_type": "mamba"}))
         args[1] = bad
-        expected = "model_type 'gpt2' is not supported"
+        expected = "model_type 'mamba' is not supported"
     run = torchrun(str(RECIPES / "grpo.py"), 2, args, timeout=200)
     assert not run.timed_out, run.output
     assert run.returncode != 0, run.output
