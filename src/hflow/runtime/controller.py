@@ -39,6 +39,7 @@ from hflow.batch import Batch
 
 from . import transport
 from .dispatch import RankGrid, balances, gather, mode_of, scatter
+from .host_memory import LowWater
 from .server import Call, ProcessIdentity, Release, Server, Spawn, Stop, hard_exit, kill_if_local, log, to_cpu
 
 
@@ -282,7 +283,9 @@ class Cluster:
     def _heartbeat(self) -> None:
         interval = env_float("HFLOW_HEARTBEAT_S", 2.0)
         timeout = env_float("HFLOW_PEER_TIMEOUT_S", 10.0)
+        memory = LowWater(window_s=timeout + 30)
         while not self._closing.wait(interval):
+            memory.sample()
             pings = {}
             for rank in range(self.world_size):
                 if rank != self._server.rank:
@@ -301,7 +304,7 @@ class Cluster:
                     doing = self.doing(rank)
                     log(f"hflow: rank {rank} stopped answering: no reply to a heartbeat within "
                         f"{timeout:.0f} s ({type(e).__name__}); {doing}. It is frozen or dead "
-                        f"(see its output). Ending the run.")
+                        f"(see its output).{memory.explain(f'rank {rank}')} Ending the run.")
                     kill_if_local(self._peers.get(rank), f"rank {rank}")
                     self._fail(RemoteError(rank, "heartbeat", f"rank {rank} stopped answering "
                                            f"heartbeats; {doing}"))

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hflow.batch import Batch
 from hflow.distributed import byte_counters
 from hflow.distributed.parallel import release_freed_memory
+from hflow.runtime.host_memory import LowWater
 
 
 # ---- the tasks the controller sends (hflow.runtime.controller) --------------------------------------------
@@ -129,12 +130,14 @@ class Server:
         """Block until the controller says stop. Exit non-zero if it goes silent (died or
         frozen); a frozen controller on this host is SIGKILLed first, as nothing else ends it."""
         self.last_ping = time.monotonic()
+        memory = LowWater(window_s=controller_timeout_s + 30)
         while not self.stopped.wait(timeout=1.0):
+            memory.sample()
             silent = time.monotonic() - self.last_ping
             if silent > controller_timeout_s:
                 log(f"hflow rank {self.rank}: no heartbeat from the controller (rank 0) for "
                     f"{silent:.0f} s; it died or is frozen. This rank's last call from it: "
-                    f"{self.last_call}. Exiting.")
+                    f"{self.last_call}.{memory.explain('rank 0')} Exiting.")
                 kill_if_local(controller, "the controller (rank 0)")
                 hard_exit()
 
