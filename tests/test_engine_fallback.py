@@ -77,6 +77,39 @@ def test_a_family_without_an_engine_class_generates_what_transformers_generates(
             torch.testing.assert_close(torch.tensor(completion.logprobs), logp, atol=1e-5, rtol=0)
 
 
+def test_a_tied_head_saved_without_its_own_tensor_is_the_embedding(tmp_path):
+    """save_pretrained writes a tied model's embedding once (no lm_head.weight): from_pretrained's
+    fallback must generate with the head tied to it, as transformers does (it once sampled from
+    an untouched, all-zero head: token 0 every step)."""
+    cfg = phi3(tie_word_embeddings=True)
+    ref = reference(cfg)
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight
+    ref.save_pretrained(tmp_path)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    llm = LLM.from_pretrained(str(tmp_path))
+    assert isinstance(llm.model, TransformersCausalLM)
+    prompts = prompts_for(cfg.vocab_size)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                generation_config=GenerationConfig(pad_token_id=0))[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == expected
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_by_name(tmp_path):
+    """A parameter no checkpoint tensor fills would generate from uninitialised memory."""
+    from safetensors.torch import load_file, save_file
+    cfg = phi3()
+    reference(cfg).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no weights for 1 of the engine's parameters \(hf.model.layers.1.mlp.down_proj.weight\)"):
+        LLM.from_pretrained(str(tmp_path))
+
+
 def test_the_fallback_sleeps_wakes_and_takes_new_weights_in_place():
     cfg = olmo2()
     first, second = reference(cfg, 0), reference(cfg, 1)

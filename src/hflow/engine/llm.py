@@ -21,7 +21,7 @@ from transformers import AutoConfig
 from hflow.engine.block_manager import BlockManager
 from hflow.engine.config import EngineConfig
 from hflow.engine.kv_budget import num_kv_blocks, sized_from_memory, worth_resizing
-from hflow.engine.loader import load_model, safetensors_weights, saved_tokenizer, stop_token_ids
+from hflow.engine.loader import load_model, safetensors_weights, saved_tokenizer, stop_token_ids, unfilled_parameters
 from hflow.engine.model_runner import ModelRunner
 from hflow.engine.models import build_model
 from hflow.engine.models.layers import TPInfo
@@ -92,7 +92,10 @@ class LLM:
         path = str(resolve_model(path))
         hf_config = AutoConfig.from_pretrained(path)
         llm = cls(hf_config, dtype=dtype, device=device, eos_token_ids=stop_token_ids(path), **engine_opts)
-        llm.load_weights(safetensors_weights(path))
+        unfilled = unfilled_parameters(llm.model, llm.load_weights(safetensors_weights(path)))
+        if unfilled:
+            raise ValueError(f"{path}: its safetensors hold no weights for {len(unfilled)} of the engine's parameters "
+                             f"({', '.join(unfilled[:4])}{', ...' if len(unfilled) > 4 else ''})")
         llm.path = path
         return llm
 

@@ -74,6 +74,15 @@ def load_model(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]
     return loaded
 
 
+def unfilled_parameters(model: CausalLM, loaded: set[str]) -> list[str]:
+    """The parameters of `model` whose storage no loaded name wrote to: what a checkpoint left
+    as the engine allocated it (uninitialised memory). A tied head counts as filled through its
+    embedding, a family's fused experts through their per-expert names (views of one storage)."""
+    targets = model.weight_targets()
+    filled = {targets[name][0].untyped_storage().data_ptr() for name in loaded}
+    return [name for name, p in model.named_parameters() if p.untyped_storage().data_ptr() not in filled]
+
+
 def _copy(name: str, target: torch.Tensor, tensor: torch.Tensor, shard_dim: int | None, tp: TPInfo) -> None:
     if tuple(tensor.shape) == tuple(target.shape):
         target.copy_(tensor)

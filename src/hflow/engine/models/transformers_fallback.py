@@ -96,6 +96,8 @@ class TransformersCausalLM(nn.Module):
                 self.hf = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=dtype, attn_implementation=register_paged_attention())
         except ValueError as e:   # transformers: this family does not take a custom attention function
             raise NotImplementedError(f"model_type {cfg.model_type!r} cannot run in hflow.engine: {e}") from e
+        # no_init_weights skips the tying too: a tied head would stay an untouched, unloaded copy
+        self.hf.tie_weights()
         self.hf.eval().requires_grad_(False)
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         heads = text_cfg.num_attention_heads
