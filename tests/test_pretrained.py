@@ -288,3 +288,18 @@ def test_every_eos_id_of_a_list_stops_generation(smollm2_dir, tmp_path, hf_model
         row = hf_model.generate(torch.tensor([prompts[0]]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                 eos_token_id=[2, stop])[0, len(prompts[0]):].tolist()
     assert until_eos(row, stop) == tokens[:k + 1]
+
+
+def test_the_transformers_fallback_on_the_real_weights_is_the_fast_engine(smollm2_dir, prompts, engine_greedy,
+                                                                         monkeypatch):
+    """SmolLM2 (a tied llama) on transformers' own model with the engine's paged attention — what
+    any family without an engine class runs on — greedy-decodes the fast engine's tokens, which
+    the test above holds to transformers'. (Its tied head once stayed unloaded: token 0 each step.)"""
+    from hflow.engine import models
+    from hflow.engine.models.transformers_fallback import TransformersCausalLM
+    monkeypatch.delitem(models.MODEL_CLASSES, "llama")
+    llm = LLM.from_pretrained(smollm2_dir)
+    assert isinstance(llm.model, TransformersCausalLM)
+    some = prompts[:16]
+    fallback = [o.outputs[0].token_ids for o in llm.generate(some, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))]
+    assert fallback == engine_greedy[:16]
