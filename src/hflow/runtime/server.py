@@ -74,8 +74,10 @@ class Stop:
 
 
 class Server:
-    def __init__(self, rank: int, device: torch.device):
-        self.rank, self.device = rank, device
+    def __init__(self, rank: int, device: torch.device, threads: int | None = None):
+        """threads: the intra-op threads of the worker calls (torch.set_num_threads on the
+        executor's thread: OpenMP's count is per calling thread); None: as the thread starts."""
+        self.rank, self.device, self.threads = rank, device, threads
         self.workers: dict[int, object] = {}         # group id -> worker object on this rank
         self._meshes: dict[tuple, DeviceMesh] = {}   # (grid, device type) -> mesh
         self._queue: dict[int, tuple] = {}           # seq -> (task, future)
@@ -145,6 +147,8 @@ class Server:
     def _loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)   # the current device is per thread
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         while True:
             with self._cv:
                 while self._next_seq not in self._queue:
