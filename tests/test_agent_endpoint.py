@@ -51,7 +51,9 @@ def test_an_agent_function_records_what_the_environment_path_records(eot_model, 
     assert trajectories(served) == trajectories(reference)
     for key in ("input_ids", "attention_mask", "response_mask", "turns", "failed", "trajectory_reward"):
         assert torch.equal(served[key], reference[key]), key
-    torch.testing.assert_close(served["rollout_log_probs"], reference["rollout_log_probs"], atol=1e-6, rtol=0)
+    # the same tokens, but the endpoint's requests reach the engine in other batches than the
+    # environment's, and a matmul's fp32 rounding follows its rows: 1.4e-6 was seen once in 712
+    torch.testing.assert_close(served["rollout_log_probs"], reference["rollout_log_probs"], atol=1e-5, rtol=0)
     assert served["answer"] == reference["answer"] and served["model_text"] == reference["model_text"]
     assert (served["prefix_mismatches"] == 0).all() and (served["unrecorded_turns"] == 0).all()
     assert (served["prefill_tokens"] < served["prompt_tokens"]).all(), "earlier turns' KV came from the prefix cache"
